@@ -1,0 +1,162 @@
+"""gRPC plumbing shared by every service: the server lifecycle and the error boundary.
+
+`ErrorInterceptor` is the one place where a `TokenrelayError` raised by domain code becomes a
+gRPC status (code, details, reason in trailing metadata); anything else becomes INTERNAL with
+reason ``INTERNAL`` and is logged. Servicers therefore contain no try/except.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.errors import TokenrelayError
+from services.logging import get_logger
+
+log = get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, TokenrelayError):
+        context.set_trailing_metadata(exc.trailing_metadata())
+        await context.abort(exc.code, exc.message)
+    log.exception("unhandled_error", method=method, exc_info=exc)
+    context.set_trailing_metadata((("tokenrelay-reason", "INTERNAL"),))
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the error boundary
+            await _abort(context, exc, method)
+    return wrapper
+
+
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the error boundary
+            await _abort(context, exc, method)
+    return wrapper
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+        if handler.stream_stream:
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method))
+        return handler
+
+
+class GrpcServer:
+    """A grpc.aio server with health + reflection, bound to host:port (0 = ephemeral).
+
+    Lifecycle: `start()` binds and marks SERVING; `stop(grace)` marks NOT_SERVING first so load
+    balancers drain, then lets in-flight calls finish for `grace` seconds.
+    """
+
+    def __init__(self, host: str, port: int, service_names: Iterable[str],
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors],
+                                      options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.host = host
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {host}:{port}")
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{self.port}"
+
+    async def _set_all(self, status: int) -> None:
+        for name in ["", *self._names]:
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Block until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def wait_healthy(address: str, timeout: float, service: str = "") -> None:
+    """Poll the standard health service until SERVING (used by the launcher and tests)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} not healthy after {timeout}s")
+            await asyncio.sleep(0.05)
