@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def setting(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+def setting(default: Any, help: str, **kw: Any) -> Any:
     """A documented settings field."""
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default),
@@ -53,7 +53,7 @@ def parse_settings(cls: type[T], argv: Sequence[str] | None, *, prog: str, env_p
     """Build ``cls`` from flags, then environment variables, then defaults."""
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(prog=prog, description=description or cls.__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.HelpFormatter)
     fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
     for f in fields:
         env = env_prefix + f.name.upper()

@@ -160,3 +160,15 @@ async def wait_healthy(address: str, timeout: float, service: str = "") -> None:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{address} not healthy after {timeout}s")
             await asyncio.sleep(0.05)
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Atomically publish the bound port (launchers and tests start services on port 0)."""
+    if not path:
+        return
+    import os
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, path)

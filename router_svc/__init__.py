@@ -1,0 +1,1 @@
+"""router_svc: the client-facing front door (auth, admission, routing, streaming)."""

@@ -1,0 +1,225 @@
+"""The path of one request: validate, tokenize, admit, route, generate, detokenize, finish.
+
+`Router.generate()` is the single error boundary of a generation: cancellation (the client went
+away, its deadline passed, or Cancel(request_id)) aborts the engine request, closes the
+detokenizer state and releases the lease; typed errors propagate to the servicer's interceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.errors import (
+    Internal,
+    InvalidArgument,
+    NotFound,
+    TokenrelayError,
+    Unavailable,
+)
+from services.logging import get_logger
+from services.mux import StreamBroken
+
+from .admission import Admission, LeaseKeeper
+from .tenants import Tenant
+from .types import Accepted, Delta, Done, EngineChunk, Event, GenerateInput, Timings, Usage
+from .upstreams import DetokSession, EnginePool, EngineReplica, TokenizerUpstream
+from .validation import check_lengths, validate_input
+
+log = get_logger(__name__)
+
+# Engine error reasons that are the caller's fault; everything else is the mesh's.
+_ENGINE_CLIENT_ERRORS = {"EMPTY_PROMPT", "CONTEXT_LENGTH_EXCEEDED", "INVALID_MAX_TOKENS",
+                         "UNSUPPORTED_SAMPLING", "DUPLICATE_REQUEST_ID"}
+# Prompt ids handed to the detokenizer for leading-space context.
+_DETOK_CONTEXT = 8
+
+
+@dataclass
+class _Live:
+    tenant: str
+    replica: EngineReplica | None = None
+    cancelled: bool = False
+
+
+def _engine_error(chunk: EngineChunk) -> TokenrelayError:
+    if chunk.error_reason in _ENGINE_CLIENT_ERRORS:
+        return InvalidArgument(chunk.error_message or chunk.error_reason, chunk.error_reason)
+    if chunk.error_reason == "ENGINE_OVERLOADED":
+        return Unavailable(chunk.error_message or "engine overloaded", "ENGINE_OVERLOADED", retry_after=1.0)
+    return Internal(chunk.error_message or "engine error", chunk.error_reason or "ENGINE_ERROR")
+
+
+class Router:
+    def __init__(self, tokenizer: TokenizerUpstream, engines: EnginePool, admission: Admission,
+                 request_timeout: float, engine_attempts: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.engines = engines
+        self.admission = admission
+        self.request_timeout = request_timeout
+        self.engine_attempts = engine_attempts
+        self._live: dict[str, _Live] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    async def prompt_ids(self, inp: GenerateInput, timeout: float | None) -> list[int]:
+        if inp.token_ids is not None:
+            return list(inp.token_ids)
+        if inp.messages is not None:
+            return await self.tokenizer.tokenize(messages=inp.messages, timeout=timeout)
+        return await self.tokenizer.tokenize(text=inp.prompt, timeout=timeout)
+
+    def cancel(self, tenant: Tenant, request_id: str) -> bool:
+        live = self._live.get(request_id)
+        # Another tenant's id is reported exactly like an unknown one: nothing leaks.
+        if live is None or live.tenant != tenant.name:
+            return False
+        live.cancelled = True
+        if live.replica is not None:
+            live.replica.abort(request_id)
+        return True
+
+    async def generate(self, tenant: Tenant, inp: GenerateInput,
+                       deadline: float | None = None) -> AsyncIterator[Event]:
+        t0 = time.monotonic()
+        validate_input(inp, self.tokenizer.meta)
+        tenant.check_model(inp.model)
+        tenant.resolve_priority(inp.priority)
+        request_id = inp.request_id or uuid.uuid4().hex
+        if request_id in self._live:
+            raise InvalidArgument(f"request id {request_id!r} is already in flight", "DUPLICATE_REQUEST_ID")
+        remaining = (deadline - time.monotonic()) if deadline else self.request_timeout
+        ids = await self.prompt_ids(inp, remaining)
+        t_tok = time.monotonic()
+        check_lengths(ids, inp.sampling, tenant, self._max_context())
+        live = self._live[request_id] = _Live(tenant.name)
+        try:
+            yield Accepted(request_id, len(ids))
+            await self.admission.acquire(tenant.name, request_id, tenant.max_in_flight)
+            timings = Timings(tokenize_seconds=t_tok - t0, queue_seconds=time.monotonic() - t_tok)
+            async with LeaseKeeper(self.admission, tenant.name, request_id):
+                async for event in self._run(request_id, tenant, inp, ids, live, timings, t0):
+                    yield event
+        finally:
+            self._live.pop(request_id, None)
+
+    def _max_context(self) -> int:
+        meta = self.tokenizer.meta
+        contexts = [c for c in (self.engines.max_context, meta.max_context if meta else 0) if c]
+        return min(contexts) if contexts else 0
+
+    async def _run(self, request_id: str, tenant: Tenant, inp: GenerateInput, ids: list[int],
+                   live: _Live, timings: Timings, t0: float) -> AsyncIterator[Event]:
+        eos = list(self.tokenizer.meta.eos_token_ids) if self.tokenizer.meta else []
+        detok = self.tokenizer.detokenizer(request_id)
+        detok.start(inp.sampling.stop, inp.sampling.include_stop_str, ids[-_DETOK_CONTEXT:])
+        generated: list[int] = []
+        usage = Usage(prompt_tokens=len(ids))
+        state = {"engine_done": False, "flushed": False}
+        pump = asyncio.create_task(self._pump(request_id, tenant, inp, ids, eos, live, detok, generated,
+                                              usage, state))
+        emitted = 0
+        t_first: float | None = None
+        try:
+            while True:
+                out = await detok.next()
+                if isinstance(out, StreamBroken):
+                    raise out.error
+                if out.error:
+                    raise Internal(f"detokenizer: {out.error}", "DETOKENIZER_ERROR")
+                limit = out.tokens_consumed if out.matched_stop else len(generated)
+                new_ids = generated[emitted:limit] if inp.return_token_ids else []
+                emitted = max(emitted, limit)
+                if out.text or new_ids:
+                    if t_first is None:
+                        t_first = time.monotonic()
+                    yield Delta(out.text, new_ids)
+                if out.finished:
+                    state["flushed"] = True
+                    break
+            if out.matched_stop:
+                usage.completion_tokens = out.tokens_consumed
+                reason, stop_reason = "stop", out.matched_stop
+            else:
+                await pump  # the engine finished: its last chunk set the reason
+                usage.completion_tokens = len(generated)
+                reason, stop_reason = state.get("reason", "length"), ""  # type: ignore[assignment]
+                if live.cancelled:
+                    reason = "cancelled"
+            now = time.monotonic()
+            first = t_first if t_first is not None else now
+            timings.ttft_seconds = first - t0
+            timings.total_seconds = now - t0
+            timings.decode_seconds = now - first
+            yield Done(reason, usage, timings, stop_reason)  # type: ignore[arg-type]
+        finally:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pump
+            if not state["engine_done"] and live.replica is not None:
+                live.replica.abort(request_id)
+            if live.replica is not None:
+                live.replica.release(request_id)
+            detok.close(flushed=state["flushed"])
+
+    async def _pump(self, request_id: str, tenant: Tenant, inp: GenerateInput, ids: list[int],
+                    eos: list[int], live: _Live, detok: DetokSession, generated: list[int],
+                    usage: Usage, state: dict[str, object]) -> None:
+        """Engine → detokenizer. Retries on another replica if the engine fails before any token."""
+        tried: set[str] = set()
+        try:
+            while True:
+                replica = self.engines.pick(inp.session_id, frozenset(tried))
+                live.replica = replica
+                tried.add(replica.address)
+                queue = replica.submit(request_id, ids, inp.sampling, eos, cache_salt=tenant.name)
+                while True:
+                    chunk = await queue.get()
+                    if isinstance(chunk, StreamBroken):
+                        replica.release(request_id)
+                        if generated or len(tried) >= self.engine_attempts or live.cancelled:
+                            raise chunk.error
+                        self.engines.mark_failed(replica)
+                        log.warning("engine_retry", request_id=request_id, failed=replica.address)
+                        break
+                    if chunk.error_reason:
+                        state["engine_done"] = True
+                        raise _engine_error(chunk)
+                    if chunk.cached_tokens:
+                        usage.cached_tokens = chunk.cached_tokens
+                    generated.extend(chunk.token_ids)
+                    if chunk.finished:
+                        state["engine_done"] = True
+                        state["reason"] = chunk.finish_reason or "length"
+                    detok.send(chunk.token_ids, final=chunk.finished)
+                    if chunk.finished:
+                        return
+        except (TokenrelayError, Unavailable) as exc:
+            detok.fail(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced to the request, never swallowed
+            detok.fail(Internal(f"engine pump failed: {exc!r}", "ENGINE_ERROR"))
+
+
+class Sessions:
+    """Chat sessions: per-session conversation, owned by one tenant."""
+
+    def __init__(self) -> None:
+        self._owners: dict[str, str] = {}
+
+    def claim(self, tenant: Tenant, session_id: str) -> str:
+        session_id = session_id or uuid.uuid4().hex
+        owner = self._owners.setdefault(session_id, tenant.name)
+        if owner != tenant.name:
+            raise NotFound("unknown session", "UNKNOWN_SESSION")
+        return session_id
+
+    def drop(self, session_id: str) -> None:
+        self._owners.pop(session_id, None)

@@ -1,0 +1,103 @@
+"""Inference servicer: protobuf ↔ domain conversion only (errors map in the interceptor)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+from .chat import ChatCancel, ChatIn, ChatStart, ChatStarted, ChatTurn, run_chat
+from .pipeline import Router, Sessions
+from .tenants import Tenant, TenantRegistry, api_key_from_metadata
+from .types import Accepted, Delta, Done, Event, GenerateInput, Sampling
+
+_FINISH = {"length": common_pb2.FINISH_REASON_LENGTH, "stop": common_pb2.FINISH_REASON_STOP,
+           "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
+
+
+def sampling_from_pb(s: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                    seed=s.seed if s.HasField("seed") else None, stop=list(s.stop),
+                    stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                    include_stop_str=s.include_stop_str)
+
+
+def _messages(msgs: object) -> list[tuple[str, str]]:
+    return [(m.role, m.content) for m in msgs]  # type: ignore[attr-defined]
+
+
+def generate_input_from_pb(r: inference_pb2.GenerateRequest) -> GenerateInput:
+    which = r.WhichOneof("input")
+    return GenerateInput(
+        sampling=sampling_from_pb(r.sampling),
+        prompt=r.prompt if which == "prompt" else None,
+        messages=_messages(r.messages.messages) if which == "messages" else None,
+        token_ids=list(r.token_ids.ids) if which == "token_ids" else None,
+        priority=int(r.priority), session_id=r.session_id, return_token_ids=r.return_token_ids,
+        request_id=r.request_id, model=r.model)
+
+
+def event_to_pb(event: Event) -> dict[str, object]:
+    """The oneof field name and value shared by GenerateResponse and ChatResponse."""
+    if isinstance(event, Delta):
+        return {"delta": inference_pb2.Delta(text=event.text, token_ids=event.token_ids)}
+    if isinstance(event, Accepted):
+        return {"accepted": inference_pb2.Accepted(request_id=event.request_id,
+                                                   prompt_tokens=event.prompt_tokens,
+                                                   queue_position=event.queue_position)}
+    assert isinstance(event, Done)
+    u, t = event.usage, event.timings
+    return {"done": inference_pb2.Done(
+        finish_reason=_FINISH[event.finish_reason], stop_reason=event.stop_reason,
+        usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                               completion_tokens=u.completion_tokens),
+        timings=common_pb2.Timings(queue_seconds=t.queue_seconds, ttft_seconds=t.ttft_seconds,
+                                   total_seconds=t.total_seconds, tokenize_seconds=t.tokenize_seconds,
+                                   decode_seconds=t.decode_seconds))}
+
+
+async def _chat_in(requests: AsyncIterator[inference_pb2.ChatRequest]) -> AsyncIterator[ChatIn]:
+    async for r in requests:
+        which = r.WhichOneof("event")
+        if which == "start":
+            yield ChatStart(r.start.session_id, _messages(r.start.system), int(r.start.priority))
+        elif which == "turn":
+            yield ChatTurn(_messages(r.turn.messages), sampling_from_pb(r.turn.sampling))
+        elif which == "cancel":
+            yield ChatCancel()
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, router: Router, tenants: TenantRegistry) -> None:
+        self.router = router
+        self.tenants = tenants
+        self.sessions = Sessions()
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        return self.tenants.authenticate(api_key_from_metadata(context.invocation_metadata()))
+
+    async def Generate(self, request: inference_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        tenant = self._tenant(context)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        async for event in self.router.generate(tenant, generate_input_from_pb(request), deadline):
+            yield inference_pb2.GenerateResponse(**event_to_pb(event))  # type: ignore[arg-type]
+
+    async def Chat(self, request_iterator: AsyncIterator[inference_pb2.ChatRequest],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.ChatResponse]:
+        tenant = self._tenant(context)
+        async for event in run_chat(self.router, self.sessions, tenant, _chat_in(request_iterator)):
+            if isinstance(event, ChatStarted):
+                started = inference_pb2.ChatStarted(session_id=event.session_id)
+                yield inference_pb2.ChatResponse(started=started)
+            else:
+                yield inference_pb2.ChatResponse(**event_to_pb(event))  # type: ignore[arg-type]
+
+    async def Cancel(self, request: inference_pb2.CancelRequest,
+                     context: grpc.aio.ServicerContext) -> inference_pb2.CancelResponse:
+        tenant = self._tenant(context)
+        return inference_pb2.CancelResponse(cancelled=self.router.cancel(tenant, request.request_id))

@@ -1,0 +1,1 @@
+"""The `tokenrelay` command line: up, generate, chat, hash-key."""

