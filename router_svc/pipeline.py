@@ -14,6 +14,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
 from services.errors import (
     Internal,
     InvalidArgument,
@@ -23,14 +27,17 @@ from services.errors import (
 )
 from services.logging import get_logger
 from services.mux import StreamBroken
+from services.tracing import inject, trace_id_hex, tracer
 
 from .admission import Admission, LeaseKeeper
+from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
 from .tenants import Tenant
 from .types import Accepted, Delta, Done, EngineChunk, Event, GenerateInput, Timings, Usage
 from .upstreams import DetokSession, EnginePool, EngineReplica, TokenizerUpstream
 from .validation import check_lengths, validate_input
 
 log = get_logger(__name__)
+_tracer = tracer("tokenrelay.router")
 
 # Engine error reasons that are the caller's fault; everything else is the mesh's.
 _ENGINE_CLIENT_ERRORS = {"EMPTY_PROMPT", "CONTEXT_LENGTH_EXCEEDED", "INVALID_MAX_TOKENS",
@@ -87,24 +94,57 @@ class Router:
 
     async def generate(self, tenant: Tenant, inp: GenerateInput,
                        deadline: float | None = None) -> AsyncIterator[Event]:
+        """Run one request; the metrics/trace/log boundary around `_generate`."""
+        request_id = inp.request_id or uuid.uuid4().hex
+        inp.request_id = request_id
+        metrics = RequestMetrics(tenant.name, inp.priority)
+        with _tracer.start_as_current_span("tokenrelay.generate", attributes={
+                "tokenrelay.request_id": request_id, "tokenrelay.tenant": tenant.name}) as span:
+            structlog.contextvars.bind_contextvars(request_id=request_id, tenant=tenant.name,
+                                                   trace_id=trace_id_hex())
+            IN_FLIGHT.labels(tenant.name).inc()
+            try:
+                async for event in self._generate(tenant, inp, deadline, metrics):
+                    yield event
+            except TokenrelayError as exc:
+                metrics.failed("error", exc.reason)
+                span.set_status(Status(StatusCode.ERROR, exc.reason))
+                log.info("request_failed", reason=exc.reason, message=exc.message)
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                metrics.failed("cancelled", "CLIENT_CANCELLED")
+                log.info("request_cancelled_by_client")
+                raise
+            finally:
+                IN_FLIGHT.labels(tenant.name).dec()
+                structlog.contextvars.unbind_contextvars("request_id", "tenant", "trace_id")
+
+    async def _generate(self, tenant: Tenant, inp: GenerateInput, deadline: float | None,
+                        metrics: RequestMetrics) -> AsyncIterator[Event]:
         t0 = time.monotonic()
         validate_input(inp, self.tokenizer.meta)
         tenant.check_model(inp.model)
         tenant.resolve_priority(inp.priority)
-        request_id = inp.request_id or uuid.uuid4().hex
+        request_id = inp.request_id
         if request_id in self._live:
             raise InvalidArgument(f"request id {request_id!r} is already in flight", "DUPLICATE_REQUEST_ID")
         remaining = (deadline - time.monotonic()) if deadline else self.request_timeout
-        ids = await self.prompt_ids(inp, remaining)
+        with _tracer.start_as_current_span("tokenize"):
+            ids = await self.prompt_ids(inp, remaining)
         t_tok = time.monotonic()
         check_lengths(ids, inp.sampling, tenant, self._max_context())
         live = self._live[request_id] = _Live(tenant.name)
         try:
             yield Accepted(request_id, len(ids))
-            await self.admission.acquire(tenant.name, request_id, tenant.max_in_flight)
+            QUEUED.labels(tenant.name).inc()
+            try:
+                with _tracer.start_as_current_span("queue_wait"):
+                    await self.admission.acquire(tenant.name, request_id, tenant.max_in_flight)
+            finally:
+                QUEUED.labels(tenant.name).dec()
             timings = Timings(tokenize_seconds=t_tok - t0, queue_seconds=time.monotonic() - t_tok)
             async with LeaseKeeper(self.admission, tenant.name, request_id):
-                async for event in self._run(request_id, tenant, inp, ids, live, timings, t0):
+                async for event in self._run(request_id, tenant, inp, ids, live, timings, t0, metrics):
                     yield event
         finally:
             self._live.pop(request_id, None)
@@ -115,16 +155,16 @@ class Router:
         return min(contexts) if contexts else 0
 
     async def _run(self, request_id: str, tenant: Tenant, inp: GenerateInput, ids: list[int],
-                   live: _Live, timings: Timings, t0: float) -> AsyncIterator[Event]:
+                   live: _Live, timings: Timings, t0: float, metrics: RequestMetrics) -> AsyncIterator[Event]:
         eos = list(self.tokenizer.meta.eos_token_ids) if self.tokenizer.meta else []
         detok = self.tokenizer.detokenizer(request_id)
-        detok.start(inp.sampling.stop, inp.sampling.include_stop_str, ids[-_DETOK_CONTEXT:])
+        detok.start(inp.sampling.stop, inp.sampling.include_stop_str, ids[-_DETOK_CONTEXT:], inject())
         generated: list[int] = []
         usage = Usage(prompt_tokens=len(ids))
         state = {"engine_done": False, "flushed": False}
         pump = asyncio.create_task(self._pump(request_id, tenant, inp, ids, eos, live, detok, generated,
                                               usage, state))
-        emitted = 0
+        emitted = counted = 0
         t_first: float | None = None
         try:
             while True:
@@ -137,8 +177,13 @@ class Router:
                 new_ids = generated[emitted:limit] if inp.return_token_ids else []
                 emitted = max(emitted, limit)
                 if out.text or new_ids:
+                    now = time.monotonic()
                     if t_first is None:
-                        t_first = time.monotonic()
+                        t_first = now
+                        metrics.first_token(now)
+                    else:
+                        metrics.delta(now, len(generated) - counted)
+                    counted = len(generated)
                     yield Delta(out.text, new_ids)
                 if out.finished:
                     state["flushed"] = True
@@ -157,6 +202,10 @@ class Router:
             timings.ttft_seconds = first - t0
             timings.total_seconds = now - t0
             timings.decode_seconds = now - first
+            metrics.done(reason, usage, timings)  # type: ignore[arg-type]
+            log.info("request_done", finish=reason, prompt_tokens=usage.prompt_tokens,
+                     completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
+                     ttft_ms=round(timings.ttft_seconds * 1000, 2), total_ms=round(timings.total_seconds * 1000, 2))
             yield Done(reason, usage, timings, stop_reason)  # type: ignore[arg-type]
         finally:
             pump.cancel()
@@ -173,14 +222,22 @@ class Router:
                     usage: Usage, state: dict[str, object]) -> None:
         """Engine → detokenizer. Retries on another replica if the engine fails before any token."""
         tried: set[str] = set()
+        phase = None
         try:
             while True:
-                replica = self.engines.pick(inp.session_id, frozenset(tried))
+                with _tracer.start_as_current_span("route") as route_span:
+                    replica = self.engines.pick(inp.session_id, frozenset(tried))
+                    route_span.set_attribute("tokenrelay.replica", replica.address)
                 live.replica = replica
                 tried.add(replica.address)
-                queue = replica.submit(request_id, ids, inp.sampling, eos, cache_salt=tenant.name)
+                phase = _tracer.start_span("prefill")
+                ctx = trace.set_span_in_context(phase)
+                queue = replica.submit(request_id, ids, inp.sampling, eos, tenant.name, inject(ctx))
                 while True:
                     chunk = await queue.get()
+                    if not isinstance(chunk, StreamBroken) and chunk.token_ids and phase.name == "prefill":
+                        phase.end()
+                        phase = _tracer.start_span("decode")
                     if isinstance(chunk, StreamBroken):
                         replica.release(request_id)
                         if generated or len(tried) >= self.engine_attempts or live.cancelled:
@@ -206,6 +263,9 @@ class Router:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the request, never swallowed
             detok.fail(Internal(f"engine pump failed: {exc!r}", "ENGINE_ERROR"))
+        finally:
+            if phase is not None:
+                phase.end()
 
 
 class Sessions:

@@ -27,6 +27,7 @@ from services.proto.tokenrelay.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.tracing import outgoing_metadata
 
 from .types import DetokOut, EngineChunk, Sampling, TokenizerMeta
 
@@ -67,10 +68,11 @@ class DetokSession:
         self.queue = mux.open(request_id)
         self._closed = False
 
-    def start(self, stop: list[str], include_stop: bool, prefix_ids: list[int]) -> None:
+    def start(self, stop: list[str], include_stop: bool, prefix_ids: list[int],
+              trace_context: dict[str, str]) -> None:
         self._mux.post("open", tokenizer_pb2.DetokOpen(
             request_id=self.request_id, stop=stop, include_stop_str=include_stop,
-            skip_special_tokens=True, prefix_ids=prefix_ids))
+            skip_special_tokens=True, prefix_ids=prefix_ids, trace_context=trace_context))
 
     def send(self, token_ids: list[int], final: bool) -> None:
         self._mux.post("tokens", tokenizer_pb2.DetokTokens(
@@ -125,7 +127,8 @@ class TokenizerUpstream:
         stub = self._stubs[next(self._rr)]
         try:
             resp = await stub.Tokenize(tokenizer_pb2.TokenizeRequest(inputs=[item]),
-                                       timeout=min(filter(None, (timeout, self._timeout))))
+                                       timeout=min(filter(None, (timeout, self._timeout))),
+                                       metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise _rpc(exc, "tokenizer") from exc
         return list(resp.results[0].ids)
@@ -176,7 +179,7 @@ class EngineReplica:
         return self.mux.open_requests
 
     def submit(self, request_id: str, prompt: list[int], sampling: Sampling, eos_ids: list[int],
-               cache_salt: str) -> asyncio.Queue[EngineChunk | StreamBroken]:
+               cache_salt: str, trace_context: dict[str, str]) -> asyncio.Queue[EngineChunk | StreamBroken]:
         queue = self.mux.open(request_id)
         params = common_pb2.SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -185,7 +188,7 @@ class EngineReplica:
             params.seed = sampling.seed
         self.mux.post("submit", engine_pb2.EngineRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=params, eos_token_ids=eos_ids,
-            cache_salt=cache_salt))
+            cache_salt=cache_salt, trace_context=trace_context))
         return queue
 
     def abort(self, request_id: str) -> None:

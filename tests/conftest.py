@@ -17,3 +17,27 @@ def shared_path(*parts: str) -> pathlib.Path:
     if not path.exists():
         pytest.skip(f"{path} is absent (development data from ../shared/data; not shipped)")
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory):
+    """A real redis-server on a private unix socket (no TCP port at all), stopped at the end."""
+    import shutil
+    import subprocess
+    import time
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is required (apt-get install -y redis-server); .ci/run installs it")
+    tmp = tmp_path_factory.mktemp("redis")
+    sock = tmp / "redis.sock"
+    proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail("redis-server did not start")
+        time.sleep(0.01)
+    yield f"unix://{sock}"
+    proc.terminate()
+    proc.wait(10)

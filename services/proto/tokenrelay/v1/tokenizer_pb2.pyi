@@ -44,18 +44,27 @@ class TokenizeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TokenizeResult, _Mapping]]] = ...) -> None: ...
 
 class DetokOpen(_message.Message):
-    __slots__ = ("request_id", "stop", "include_stop_str", "skip_special_tokens", "prefix_ids")
+    __slots__ = ("request_id", "stop", "include_stop_str", "skip_special_tokens", "prefix_ids", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str: bool
     skip_special_tokens: bool
     prefix_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DetokTokens(_message.Message):
     __slots__ = ("request_id", "token_ids", "final")

@@ -1,0 +1,103 @@
+"""OpenTelemetry setup and context propagation for every service.
+
+Context crosses process boundaries in W3C `traceparent`/`tracestate` form: in gRPC metadata for
+ordinary calls (`ServerTracingInterceptor` extracts it on the server), and per request inside
+multiplexed stream messages (`inject()` / `extract()` on a plain dict), because one stream
+carries many requests. Spans are exported over OTLP when an endpoint is configured, to an
+in-memory exporter in tests, and nowhere otherwise (the SDK still creates ids so logs carry them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+
+_configured = False
+
+
+def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExporter | None = None) -> None:
+    """Install the global tracer provider once per process."""
+    global _configured
+    if _configured:
+        return
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif otlp_endpoint:
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:  # pragma: no cover - depends on the optional extra
+            raise SystemExit("OTLP export needs `pip install tokenrelay[otlp]`") from exc
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+    trace.set_tracer_provider(provider)
+    _configured = True
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract(carrier: Mapping[str, str]) -> otel_context.Context:
+    return propagate.extract(dict(carrier))
+
+
+def trace_id_hex() -> str:
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+    return (*extra, *inject().items())
+
+
+class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
+    """Makes the caller's trace context current for the handler (unary and streaming alike)."""
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        carrier = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+        if "traceparent" not in carrier:
+            return handler
+        ctx = extract(carrier)
+
+        def wrap(fn: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+            if streaming:
+                async def gen(request: Any, context: Any) -> Any:
+                    token = otel_context.attach(ctx)
+                    try:
+                        async for item in fn(request, context):
+                            yield item
+                    finally:
+                        otel_context.detach(token)
+                return gen
+
+            async def unary(request: Any, context: Any) -> Any:
+                token = otel_context.attach(ctx)
+                try:
+                    return await fn(request, context)
+                finally:
+                    otel_context.detach(token)
+            return unary
+
+        for kind, streaming in (("unary_unary", False), ("stream_unary", False),
+                                ("unary_stream", True), ("stream_stream", True)):
+            fn = getattr(handler, kind)
+            if fn is not None:
+                return handler._replace(**{kind: wrap(fn, streaming)})
+        return handler
