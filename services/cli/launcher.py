@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 from services.grpc_util import wait_healthy
 
-CACHE = pathlib.Path(os.environ.get("TOKENRELAY_CACHE", pathlib.Path.home() / ".cache" / "tokenrelay"))
+# Same rule as engine_svc.default_model.default_cache_root().
+CACHE = pathlib.Path(os.environ.get("TOKENRELAY_CACHE")
+                     or pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "tokenrelay")
 DEFAULT_STATE = CACHE / "local.json"
 
 
@@ -57,6 +59,7 @@ class Mesh:
         self.procs: list[_Proc] = []
         self.api_key = "trk-dev-" + secrets.token_urlsafe(24)
         self.router_address = ""
+        self.addresses: dict[str, str] = {}
         self.redis_url = options.redis_url
 
     # ------------------------------------------------------------------ processes
@@ -131,13 +134,14 @@ class Mesh:
                                       ["--tokenizer", str(self.o.model), *self.o.tokenizer_args])
         eng, eng_port = self._service("engine", "engine_svc",
                                       ["--backend", self.o.engine, "--model", str(self.o.model),
-                                       *self.o.engine_args])
+                                       *sim_args_for(self.o.model, self.o.engine), *self.o.engine_args])
         tok_addr, eng_addr = await asyncio.gather(self._wait_port(tok, tok_port), self._wait_port(eng, eng_port))
         router, router_port = self._service(
             "router", "router_svc",
             ["--tokenizers", tok_addr, "--engines", eng_addr, "--redis-url", self.redis_url,
              "--tenants-file", str(self._write_tenants())], port=self.o.port)
         self.router_address = await self._wait_port(router, router_port)
+        self.addresses = {"tokenizer": tok_addr, "engine": eng_addr, "router": self.router_address}
         self._write_state()
         return self.router_address
 
@@ -147,7 +151,9 @@ class Mesh:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"router": self.router_address, "api_key": self.api_key, "pid": os.getpid(),
-                       "model": str(self.o.model), "engine": self.o.engine}, f)
+                       "model": str(self.o.model), "engine": self.o.engine, "redis_url": self.redis_url,
+                       "tokenizers": [self.addresses["tokenizer"]], "engines": [self.addresses["engine"]],
+                       "run_dir": str(self.o.run_dir)}, f)
         os.replace(tmp, self.o.state_file)
 
     def dead(self) -> _Proc | None:
@@ -169,6 +175,22 @@ class Mesh:
                     os.killpg(proc.popen.pid, signal.SIGKILL)
                 proc.popen.wait()
         self.procs.clear()
+
+
+def sim_args_for(model: pathlib.Path, engine: str) -> list[str]:
+    """The simulated engine must emit ids the model's tokenizer can decode, within its context."""
+    if engine != "sim":
+        return []
+    from tokenizers import Tokenizer
+
+    tokenizer = model / "tokenizer.json" if model.is_dir() else model
+    args = ["--sim-vocab-size", str(Tokenizer.from_file(str(tokenizer)).get_vocab_size())]
+    config = model / "config.json"
+    if config.exists():
+        context = json.loads(config.read_text()).get("max_position_embeddings")
+        if context:
+            args += ["--sim-max-context", str(context)]
+    return args
 
 
 def tail(path: pathlib.Path, lines: int = 20) -> str:

