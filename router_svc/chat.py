@@ -59,8 +59,10 @@ async def run_chat(router: Router, sessions: Sessions, tenant: Tenant,
     out: asyncio.Queue[object] = asyncio.Queue()
     turn_task: asyncio.Task[None] | None = None
     current_id: list[str] = []
+    busy = False  # a turn is running; cleared before its last event is handed out
 
     async def run_turn(turn: ChatTurn) -> None:
+        nonlocal busy
         text: list[str] = []
         inp = GenerateInput(sampling=turn.sampling, messages=conversation + turn.messages,
                             priority=first.priority, session_id=session_id)
@@ -70,25 +72,32 @@ async def run_chat(router: Router, sessions: Sessions, tenant: Tenant,
                     current_id[:] = [event.request_id]
                 elif isinstance(event, Delta):
                     text.append(event.text)
-                elif isinstance(event, Done) and event.finish_reason != "cancelled":
-                    conversation.extend(turn.messages)
-                    conversation.append(("assistant", "".join(text)))
+                elif isinstance(event, Done):
+                    if event.finish_reason != "cancelled":
+                        conversation.extend(turn.messages)
+                        conversation.append(("assistant", "".join(text)))
+                    busy = False
                 await out.put(event)
         except Exception as exc:  # noqa: BLE001 - handed to the stream's consumer, re-raised there
+            busy = False
             await out.put(exc)
 
     async def read() -> None:
-        nonlocal turn_task
+        nonlocal turn_task, busy
         async for msg in incoming:
             if isinstance(msg, ChatTurn):
-                if turn_task is not None and not turn_task.done():
+                if busy:
                     await out.put(InvalidArgument("a turn is already in progress", "TURN_IN_PROGRESS"))
                     continue
                 if not msg.messages:
                     await out.put(InvalidArgument("a turn needs at least one message", "EMPTY_PROMPT"))
                     continue
+                if turn_task is not None:
+                    await asyncio.gather(turn_task, return_exceptions=True)
+                busy = True
+                current_id.clear()
                 turn_task = asyncio.create_task(run_turn(msg))
-            elif isinstance(msg, ChatCancel) and turn_task is not None and not turn_task.done():
+            elif isinstance(msg, ChatCancel) and busy:
                 if current_id:
                     router.cancel(tenant, current_id[0])
             elif isinstance(msg, ChatStart):

@@ -103,8 +103,10 @@ class Router:
             structlog.contextvars.bind_contextvars(request_id=request_id, tenant=tenant.name,
                                                    trace_id=trace_id_hex())
             IN_FLIGHT.labels(tenant.name).inc()
+            finished = False
             try:
                 async for event in self._generate(tenant, inp, deadline, metrics):
+                    finished = isinstance(event, Done)
                     yield event
             except TokenrelayError as exc:
                 metrics.failed("error", exc.reason)
@@ -112,8 +114,9 @@ class Router:
                 log.info("request_failed", reason=exc.reason, message=exc.message)
                 raise
             except (asyncio.CancelledError, GeneratorExit):
-                metrics.failed("cancelled", "CLIENT_CANCELLED")
-                log.info("request_cancelled_by_client")
+                if not finished:  # a consumer closing us after `done` is not a cancellation
+                    metrics.failed("cancelled", "CLIENT_CANCELLED")
+                    log.info("request_cancelled_by_client")
                 raise
             finally:
                 IN_FLIGHT.labels(tenant.name).dec()

@@ -1,0 +1,331 @@
+"""What a bench drives: the mesh (router, through `services.client`) or one engine_svc directly.
+
+Both targets run *sessions* (one completion, or the turns of a chat that each extend the
+conversation so far) and report every streamed delta to an observer callback as it arrives, so
+the runner timestamps tokens the moment they reach the client. A target raises the typed
+`services.errors` exception of a failure; the runner counts it by status and reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.client import Client, Finished, TextDelta
+from services.errors import Internal, InvalidArgument, TokenrelayError, Unavailable
+from services.grpc_util import insecure_channel
+from services.mux import MuxClient, StreamBroken
+from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+from .prompts import IdSynth, TextSynth, calibrate_chars_per_token, nonce
+from .workload import SessionPlan, TurnPlan
+
+# Called once per delta with the number of tokens it carries (None when the API does not say).
+Observer = Callable[[int | None], None]
+
+
+@dataclass
+class TurnResult:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    queue_seconds: float | None     # None where the target does not measure it (engine)
+    context_tokens: int             # the conversation's length after this turn
+    finished_at: float = field(default_factory=time.monotonic)  # when the final message arrived
+
+
+class TargetSession(ABC):
+    """One session's conversation state on a target."""
+
+    context_tokens = 0
+
+    async def __aenter__(self) -> TargetSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    @abstractmethod
+    async def turn(self, turn: TurnPlan, observe: Observer, timeout: float) -> TurnResult: ...
+
+
+class Target(ABC):
+    name: str = ""
+    max_context: int = 0            # 0 = unknown: requests are sent as planned
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def margin(self, tokens: int) -> int:
+        """Tokens to allow beyond the planned ones when fitting a turn into the context."""
+        return 0
+
+    @abstractmethod
+    def session(self, plan: SessionPlan, run_id: str, unique: bool) -> TargetSession: ...
+
+    def describe(self) -> dict[str, Any]:
+        return {"target": self.name, "max_context": self.max_context}
+
+
+def _system_seed(plan: SessionPlan) -> int:
+    # A shared system prompt is the same for every session of the class (and run), hence cacheable.
+    return zlib.crc32(f"system:{plan.cls}".encode()) if plan.shared_system else plan.seed
+
+
+# -------------------------------------------------------------------------------------- mesh
+class MeshTarget(Target):
+    """The router, through the typed client. ``keys`` maps tenant names to API keys."""
+
+    name = "mesh"
+    CHAT_APIS = ("messages", "chat", "text")
+
+    def __init__(self, address: str, keys: Mapping[str, str], default_key: str, *, chat_api: str = "messages",
+                 chars_per_token: float = 0.0, max_context: int = 0) -> None:
+        if chat_api not in self.CHAT_APIS:
+            raise ValueError(f"chat_api must be one of {self.CHAT_APIS}")
+        self.address = address
+        self._keys = dict(keys)
+        self._default_key = default_key
+        self._clients: dict[str, Client] = {}
+        self.chat_api = chat_api
+        self.chars_per_token = chars_per_token
+        self.max_context = max_context
+        self.synth: TextSynth | None = None
+
+    def client(self, tenant: str) -> Client:
+        key = self._keys.get(tenant, self._default_key)
+        if key not in self._clients:
+            self._clients[key] = Client(self.address, key)
+        return self._clients[key]
+
+    async def start(self) -> None:
+        if self.chars_per_token <= 0:
+            client = self.client(next(iter(self._keys), ""))
+
+            async def count(text: str) -> int:
+                done = await client.generate(text, max_tokens=1)
+                return done.finished.prompt_tokens
+
+            self.chars_per_token = await calibrate_chars_per_token(count)
+        self.synth = TextSynth(self.chars_per_token)
+
+    async def close(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+        self._clients.clear()
+
+    def margin(self, tokens: int) -> int:
+        # Chat templates add tokens per message and text sizing is approximate.
+        return 24 + tokens // 6
+
+    def session(self, plan: SessionPlan, run_id: str, unique: bool) -> TargetSession:
+        assert self.synth is not None, "start() first"
+        cls = _MeshChat if plan.kind == "chat" and self.chat_api == "chat" else _MeshGenerate
+        return cls(self, plan, f"{run_id}-{plan.index}", unique)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "address": self.address, "chat_api": self.chat_api,
+                "chars_per_token": round(self.chars_per_token, 3)}
+
+
+class _MeshSession(TargetSession):
+    def __init__(self, target: MeshTarget, plan: SessionPlan, session_id: str, unique: bool) -> None:
+        self.t = target
+        self.plan = plan
+        self.session_id = session_id
+        self.rng = random.Random(plan.seed)
+        self.synth: TextSynth = target.synth  # type: ignore[assignment]
+        self.client = target.client(plan.tenant)
+        self.system = ""
+        tag = nonce(self.rng) + " " if unique else ""
+        if plan.system_tokens:
+            self.system = self.synth.text(plan.system_tokens, random.Random(_system_seed(plan)))
+            if not plan.shared_system:
+                self.system, tag = tag + self.system, ""
+        self._first_tag = tag
+
+    def user_text(self, tokens: int) -> str:
+        tag, self._first_tag = self._first_tag, ""
+        return tag + self.synth.text(tokens, self.rng)
+
+    def result(self, f: Finished) -> TurnResult:
+        self.context_tokens = f.prompt_tokens + f.completion_tokens
+        return TurnResult(f.prompt_tokens, f.cached_tokens, f.completion_tokens, f.finish_reason,
+                          f.queue_seconds, self.context_tokens)
+
+
+class _MeshGenerate(_MeshSession):
+    """Completions, and chats as Generate calls carrying the whole conversation + session id."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.messages: list[tuple[str, str]] = [("system", self.system)] if self.system else []
+
+    async def turn(self, turn: TurnPlan, observe: Observer, timeout: float) -> TurnResult:
+        user = self.user_text(turn.prompt_tokens)
+        chat = self.plan.kind == "chat"
+        self.messages.append(("user", user))
+        kwargs: dict[str, Any] = {"priority": self.plan.priority, "return_token_ids": True, "timeout": timeout,
+                                  "max_tokens": turn.output_tokens, "ignore_eos": True}
+        if chat and self.t.chat_api == "messages":
+            kwargs.update(messages=list(self.messages), session_id=self.session_id)
+        else:
+            kwargs["prompt"] = "\n\n".join(text for _, text in self.messages)
+            if chat:
+                kwargs["session_id"] = self.session_id
+        reply: list[str] = []
+        result: TurnResult | None = None
+        # Read to the end of the stream, past `done`: leaving early would cancel the call, and the
+        # router would count an already finished request as cancelled.
+        async for event in self.client.stream(**kwargs):
+            if isinstance(event, TextDelta):
+                observe(len(event.token_ids))
+                reply.append(event.text)
+            elif isinstance(event, Finished):
+                self.messages.append(("assistant", "".join(reply)))
+                result = self.result(event)
+        if result is None:
+            raise TokenrelayError("stream ended without `done`", "INCOMPLETE_STREAM")
+        return result
+
+
+class _MeshChat(_MeshSession):
+    """Chats over the bidirectional Chat API (its deltas carry no token ids: ITL is estimated)."""
+
+    async def __aenter__(self) -> TargetSession:
+        self._cm = self.client.chat(session_id=self.session_id, system=self.system or None,
+                                    priority=self.plan.priority)
+        self.chat = await self._cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._cm.__aexit__(*exc)
+
+    async def turn(self, turn: TurnPlan, observe: Observer, timeout: float) -> TurnResult:
+        async for event in self.chat.send(self.user_text(turn.prompt_tokens), max_tokens=turn.output_tokens,
+                                          ignore_eos=True):
+            if isinstance(event, TextDelta):
+                observe(len(event.token_ids) or None)
+            elif isinstance(event, Finished):
+                return self.result(event)
+        raise TokenrelayError("stream ended without `done`", "INCOMPLETE_STREAM")
+
+
+# ------------------------------------------------------------------------------------ engine
+_FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
+           common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
+# Engine reasons that are the caller's fault (the router maps them the same way).
+_CLIENT_ERRORS = {"EMPTY_PROMPT", "CONTEXT_LENGTH_EXCEEDED", "INVALID_MAX_TOKENS", "UNSUPPORTED_SAMPLING",
+                  "DUPLICATE_REQUEST_ID"}
+
+
+def engine_error(reason: str, message: str) -> TokenrelayError:
+    if reason in _CLIENT_ERRORS:
+        return InvalidArgument(message or reason, reason)
+    if reason == "ENGINE_OVERLOADED":
+        return Unavailable(message or reason, reason)
+    return Internal(message or "engine error", reason or "ENGINE_ERROR")
+
+
+def _build(pending: dict[str, list[Any]]) -> engine_pb2.EngineInbound:
+    return engine_pb2.EngineInbound(submit=pending.get("submit", []), abort=pending.get("abort", []))
+
+
+def _split(resp: engine_pb2.EngineOutbound) -> list[tuple[str, Any]]:
+    return [(c.request_id, c) for c in resp.chunks]
+
+
+class EngineTarget(Target):
+    """One engine_svc over its multiplexed Stream, prompts as random token ids (no router)."""
+
+    name = "engine"
+
+    def __init__(self, address: str, vocab_size: int, *, max_context: int = 0) -> None:
+        self.address = address
+        self.ids = IdSynth(vocab_size)
+        self.max_context = max_context
+        self.model = ""
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        self._channel = insecure_channel(self.address)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self.mux: MuxClient[Any] = MuxClient("engine", self._stub.Stream, _build, _split)
+        try:
+            load = await self._stub.GetLoad(engine_pb2.LoadRequest(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - turned into the typed "cannot reach" error
+            raise Unavailable(f"engine at {self.address} did not answer GetLoad: {exc}", "UPSTREAM_UNAVAILABLE") \
+                from None
+        self.model = load.model
+        self.max_context = self.max_context or load.max_context
+
+    async def close(self) -> None:
+        await self.mux.close()
+        await self._channel.close()
+
+    def session(self, plan: SessionPlan, run_id: str, unique: bool) -> TargetSession:
+        return _EngineSession(self, plan, run_id)
+
+    def next_request_id(self, run_id: str) -> str:
+        return f"{run_id}-{next(self._ids)}"
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "address": self.address, "vocab_size": self.ids.vocab_size,
+                "model": self.model}
+
+
+class _EngineSession(TargetSession):
+    # Random ids never repeat a prefix across sessions, so `unique` needs no nonce here.
+    def __init__(self, target: EngineTarget, plan: SessionPlan, run_id: str) -> None:
+        self.t = target
+        self.plan = plan
+        self.run_id = run_id
+        self.rng = random.Random(plan.seed)
+        self.conversation: list[int] = (target.ids.ids(plan.system_tokens, random.Random(_system_seed(plan)))
+                                        if plan.system_tokens else [])
+
+    async def turn(self, turn: TurnPlan, observe: Observer, timeout: float) -> TurnResult:
+        prompt = self.conversation + self.t.ids.ids(turn.prompt_tokens, self.rng)
+        rid = self.t.next_request_id(self.run_id)
+        mux = self.t.mux
+        queue = mux.open(rid)
+        mux.post("submit", engine_pb2.EngineRequest(
+            request_id=rid, prompt_token_ids=prompt, cache_salt=self.plan.tenant,
+            sampling=common_pb2.SamplingParams(max_tokens=turn.output_tokens, ignore_eos=True)))
+        generated: list[int] = []
+        cached = 0
+        finished = False
+        try:
+            while True:
+                chunk = await queue.get()
+                if isinstance(chunk, StreamBroken):
+                    finished = True
+                    raise chunk.error
+                if chunk.error_reason:
+                    finished = True
+                    raise engine_error(chunk.error_reason, chunk.error_message)
+                cached = cached or chunk.cached_tokens
+                if chunk.token_ids:
+                    generated.extend(chunk.token_ids)
+                    observe(len(chunk.token_ids))
+                if chunk.finished:
+                    finished = True
+                    break
+        finally:
+            if not finished:
+                mux.post("abort", rid)  # cancelled or timed out: free the engine's slot
+            mux.release(rid)
+        self.conversation = prompt + generated
+        self.context_tokens = len(self.conversation)
+        return TurnResult(len(prompt), cached, len(generated), _FINISH.get(chunk.finish_reason, "unknown"),
+                          None, self.context_tokens)
