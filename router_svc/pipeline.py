@@ -41,7 +41,8 @@ _tracer = tracer("tokenrelay.router")
 
 # Engine error reasons that are the caller's fault; everything else is the mesh's.
 _ENGINE_CLIENT_ERRORS = {"EMPTY_PROMPT", "CONTEXT_LENGTH_EXCEEDED", "INVALID_MAX_TOKENS",
-                         "UNSUPPORTED_SAMPLING", "DUPLICATE_REQUEST_ID"}
+                         "UNSUPPORTED_SAMPLING", "DUPLICATE_REQUEST_ID", "INVALID_TOKEN_ID",
+                         "INVALID_SAMPLING"}
 # Prompt ids handed to the detokenizer for leading-space context.
 _DETOK_CONTEXT = 8
 

@@ -1,0 +1,46 @@
+"""Wire the engine service: backend → Engine → servicer → GrpcServer, and shut down gracefully."""
+
+from __future__ import annotations
+
+from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
+from services.logging import get_logger
+from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
+
+from .backends import create_backend
+from .config import EngineSettings
+from .engine import Engine
+from .servicer import EngineServicer
+
+log = get_logger(__name__)
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+
+
+async def start_engine(settings: EngineSettings) -> tuple[Engine, GrpcServer]:
+    """Build and start the engine and its server (tests use this in-process)."""
+    engine = Engine(create_backend(settings), settings.max_queued)
+    await engine.start()
+    server = GrpcServer(settings.host, settings.port, [SERVICE_NAME])
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
+    await server.start()
+    return engine, server
+
+
+async def serve(settings: EngineSettings) -> None:
+    try:
+        engine, server = await start_engine(settings)
+    except (ValueError, OSError) as exc:  # bad settings, missing model, port taken: say so, no traceback
+        raise SystemExit(f"engine_svc: cannot start: {exc}") from exc
+    try:
+        write_port_file(settings.port_file, server.port)
+        load = engine.load()
+        log.info("listening", address=server.address, backend=load.backend, model=load.model,
+                 max_context=load.max_context, max_active=load.max_active)
+        await wait_for_shutdown_signal()
+        log.info("shutting_down", live=engine.live)
+        # Refuse new work, mark NOT_SERVING, and give in-flight requests the grace period; each
+        # stream ends by itself once its requests are done, so an idle engine stops at once.
+        engine.drain()
+        await server.stop(settings.shutdown_grace)
+    finally:
+        await engine.close()
+    log.info("stopped")

@@ -1,0 +1,164 @@
+"""The engine backend contract: domain types and the abstract `Backend` every engine implements.
+
+Design (callback first, iterator on top): a backend's primitive is `submit(request, sink)`. The
+backend calls ``sink(event)`` on the event loop thread for every `GenerationEvent` of that request;
+exactly one event has ``finished=True`` and it is the last. This keeps the per-token cost of a busy
+engine at one function call (a GPU engine emits ~28k tokens/s; a queue + task switch per token
+would cost more than the engine step). `generate()` wraps the same primitive as an async iterator
+for callers that want one request at a time; leaving the iterator early aborts the request.
+
+`abort(request_id)` ends a live request at once: the backend frees its slot / KV blocks and emits
+a final CANCELLED event. Per-request rejections at submit time raise a `TokenrelayError` with a
+machine-readable reason (EMPTY_PROMPT, CONTEXT_LENGTH_EXCEEDED, UNSUPPORTED_SAMPLING, ...);
+failures after submit arrive as a final event with FINISH ERROR and ``error_reason``.
+
+No grpc or protobuf here: TensorRT-LLM (`generate_async` + `RequestOutput.abort()`) and Triton
+(decoupled `stream_infer` + `stop=True`) map onto this contract the same way the `sim` and `hf`
+backends do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from services.errors import InvalidArgument
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"          # max_tokens reached
+    STOP = "stop"              # an EOS / stop token id was generated (and is included)
+    CANCELLED = "cancelled"    # aborted
+    ERROR = "error"            # rejected or failed; see error_reason
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One generation, in token ids. Sampling zero values mean "default" as in the protos."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0           # 0 = greedy
+    top_p: float = 0.0                 # 0 = 1.0
+    top_k: int = 0                     # 0 = off
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    cache_salt: str = ""
+
+    def stop_set(self) -> frozenset[int]:
+        """Token ids that end this request (they are emitted, then the request stops)."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return frozenset(ids)
+
+
+@dataclass(slots=True)
+class GenerationEvent:
+    """New tokens of one request; the last event of a request has ``finished=True``."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0              # prompt tokens served from the prefix cache (first event)
+    error_reason: str = ""
+    error_message: str = ""
+
+    @classmethod
+    def cancelled(cls, request_id: str) -> GenerationEvent:
+        return cls(request_id, [], True, FinishReason.CANCELLED)
+
+    @classmethod
+    def failed(cls, request_id: str, reason: str, message: str,
+               token_ids: list[int] | None = None) -> GenerationEvent:
+        return cls(request_id, token_ids or [], True, FinishReason.ERROR,
+                   error_reason=reason, error_message=message)
+
+
+Sink = Callable[[GenerationEvent], None]
+
+
+@dataclass(slots=True)
+class LoadSnapshot:
+    backend: str
+    model: str
+    active: int
+    queued: int
+    max_active: int
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    tokens_per_block: int = 0
+    max_context: int = 0
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    generated_tokens_total: int = 0
+
+
+class Backend(ABC):
+    """An engine: token ids in, token ids out, many requests batched together."""
+
+    name: str = "base"
+    model: str = ""
+    max_context: int = 0
+    vocab_size: int = 0                  # 0 = unknown (prompt ids are then not range-checked)
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load / warm up; called once before the first submit."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Abort everything still live and release resources."""
+
+    @abstractmethod
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Enqueue a validated request; events go to ``sink`` on the event loop. May raise
+        `TokenrelayError` (e.g. UNSUPPORTED_SAMPLING) to reject it."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """End a live request with CANCELLED and free its resources; False if it is not live."""
+
+    @abstractmethod
+    def load(self) -> LoadSnapshot:
+        """A cheap snapshot of the engine's load."""
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Checks every backend shares; `submit` callers run it first."""
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise InvalidArgument("prompt is empty", "EMPTY_PROMPT")
+        if request.max_tokens < 1:
+            raise InvalidArgument("max_tokens must be at least 1", "INVALID_MAX_TOKENS")
+        if self.max_context and n + request.max_tokens > self.max_context:
+            raise InvalidArgument(
+                f"prompt ({n}) + max_tokens ({request.max_tokens}) exceeds the model context "
+                f"({self.max_context})", "CONTEXT_LENGTH_EXCEEDED")
+        if self.vocab_size and max(request.prompt_token_ids) >= self.vocab_size:
+            raise InvalidArgument(f"prompt token id beyond the vocabulary ({self.vocab_size})",
+                                  "INVALID_TOKEN_ID")
+        if request.temperature < 0 or not 0 <= request.top_p <= 1 or request.top_k < 0:
+            raise InvalidArgument("temperature must be >= 0, top_p in [0, 1], top_k >= 0",
+                                  "INVALID_SAMPLING")
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """One request as an async iterator; closing or cancelling the consumer aborts it."""
+        self.validate(request)
+        queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self.submit(request, queue.put_nowait)
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                self.abort(request.request_id)

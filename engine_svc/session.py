@@ -1,0 +1,121 @@
+"""One multiplexed Stream: many requests in, one coalesced flow of token chunks out.
+
+A `StreamSession` owns a reader task (inbound submits and aborts), the stream's `Outbox` and the
+ids of the requests it carries. It is the per-request error boundary of a stream: a request that
+is rejected or fails becomes a finished ERROR chunk with its reason, and the stream carries on.
+When the stream ends — the client half-closes (or the engine drains for shutdown) and every
+request has finished, or the call is cancelled or breaks — `close()` aborts every request still
+live, freeing its engine slot and KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+
+from services.errors import TokenrelayError
+from services.logging import get_logger
+
+from .backends.base import GenerationEvent, GenerationRequest
+from .engine import Engine
+from .outbox import Chunk, Outbox
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Inbound:
+    """One inbound message: requests to start and request ids to abort."""
+
+    submit: list[GenerationRequest] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)
+
+
+class StreamSession:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.outbox = Outbox()
+        self._live: set[str] = set()
+        self._reader: asyncio.Task[None] | None = None
+        self._inbound_done = False
+        self._closed = False
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    def submit(self, request: GenerationRequest) -> None:
+        rid = request.request_id
+        if rid in self._live:
+            self._reject(rid, "DUPLICATE_REQUEST_ID", f"request id {rid!r} is already live on this stream")
+            return
+        self._live.add(rid)
+        try:
+            self._engine.submit(request, self._on_event)
+        except TokenrelayError as exc:
+            self._live.discard(rid)
+            self._reject(rid, exc.reason, exc.message)
+        except Exception as exc:  # a backend bug must not take the other requests down
+            self._live.discard(rid)
+            log.exception("submit_failed", request_id=rid)
+            self._reject(rid, "ENGINE_ERROR", f"engine failed to accept the request: {exc!r}")
+
+    def _reject(self, request_id: str, reason: str, message: str) -> None:
+        # A separate chunk, so a rejected duplicate never merges into the live request's chunk.
+        self.outbox.push_separate(GenerationEvent.failed(request_id, reason, message))
+
+    def _on_event(self, event: GenerationEvent) -> None:
+        if event.finished:
+            self._live.discard(event.request_id)
+        self.outbox.push(event)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._engine.abort([rid for rid in request_ids if rid in self._live])
+
+    async def _read(self, inbound: AsyncIterator[Inbound]) -> None:
+        try:
+            async for message in inbound:
+                for request in message.submit:
+                    self.submit(request)
+                if message.abort:
+                    self.abort(message.abort)
+        finally:
+            self._inbound_done = True
+            self.outbox.wake()
+
+    async def run(self, inbound: AsyncIterator[Inbound]) -> AsyncGenerator[list[Chunk], None]:
+        """Serve the stream: yields batches of chunks until the inbound side is done and every
+        request it carried has finished."""
+        self._reader = asyncio.create_task(self._read(inbound), name="engine-stream-reader")
+        self._reader.add_done_callback(_note_reader_end)
+        unregister = self._engine.on_drain(self.outbox.wake)
+        try:
+            while True:
+                await self.outbox.wait()
+                chunks = self.outbox.drain()
+                if chunks:
+                    yield chunks
+                if ((self._inbound_done or self._engine.draining) and not self._live
+                        and self.outbox.empty):
+                    break
+        finally:
+            unregister()
+            self.close()
+
+    def close(self) -> None:
+        """Abort what is still live (idempotent; also called when the RPC ends)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+        if self._live:
+            log.info("stream_closed_aborting", requests=len(self._live))
+            self._engine.abort(list(self._live))
+
+
+def _note_reader_end(task: asyncio.Task[None]) -> None:
+    # Retrieving the exception here keeps asyncio from reporting it as never retrieved.
+    if not task.cancelled() and task.exception() is not None:
+        log.info("stream_inbound_broke", error=repr(task.exception()))
