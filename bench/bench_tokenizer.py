@@ -1,0 +1,274 @@
+"""Benchmark of tokenizer_svc: Tokenize through gRPC vs raw in-process encode_batch, and
+Detokenize with one stream per request vs one multiplexed stream.
+
+The service runs as a real process (`python -m tokenizer_svc`) on this machine's cores; this
+process is its gRPC client. For each prompt size (~2k and ~32k tokens, cut from
+../shared/data/text/state-of-the-union.txt) and each client count (1 and N), it measures
+tokens/s through the service and, in the same run on the same cores, tokens/s of the raw
+`Tokenizer.encode_batch_fast` on the same prompts (C prompts per call for C clients), and reports
+the ratio plus request latency p50/p99. Detokenize: R requests of T tokens each, streamed one
+token per request per message, either over R streams or multiplexed over one (median of runs).
+
+    python bench/bench_tokenizer.py [--tokenizer PATH] [--clients 16] [--seconds 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tokenizers import Tokenizer  # noqa: E402
+
+from services.grpc_util import insecure_channel, wait_healthy  # noqa: E402
+from services.proto.tokenrelay.v1 import tokenizer_pb2 as pb  # noqa: E402
+from services.proto.tokenrelay.v1 import tokenizer_pb2_grpc  # noqa: E402
+
+SHARED = pathlib.Path(os.environ.get("TOKENRELAY_SHARED_DATA", REPO.parent / "shared" / "data"))
+TEXT_FILE = SHARED / "text" / "state-of-the-union.txt"
+DEFAULT_TOKENIZER = SHARED / "tokenizers" / "gpt2" / "tokenizer.json"
+
+
+@dataclass
+class TokenizeRow:
+    prompt_tokens: int
+    clients: int
+    requests: int
+    service_tok_s: float
+    raw_tok_s: float
+    ratio: float
+    p50_ms: float
+    p99_ms: float
+
+
+@dataclass
+class DetokRow:
+    mode: str
+    requests: int
+    tokens_per_request: int
+    messages_in: int
+    tok_s: float
+    seconds: float
+
+
+def make_prompts(tok: Tokenizer, text: str, tokens: int, count: int) -> list[str]:
+    """`count` distinct prompts of about `tokens` tokens each, cut at token boundaries."""
+    enc = tok.encode(text, add_special_tokens=False)
+    offsets, prompts = enc.offsets, []
+    step = max(1, (len(offsets) - tokens) // max(1, count))
+    for i in range(count):
+        start = (i * step) % max(1, len(offsets) - tokens)
+        prompts.append(text[offsets[start][0]:offsets[min(start + tokens, len(offsets)) - 1][1]])
+    return prompts
+
+
+def measure_raw(tok: Tokenizer, prompts: list[str], clients: int, seconds: float) -> float:
+    """Raw encode_batch_fast tokens/s with `clients` prompts per call (1 = one prompt at a time)."""
+    tok.encode_batch_fast(prompts[:clients], add_special_tokens=False)   # warm-up
+    done, i, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        batch = [prompts[(i + k) % len(prompts)] for k in range(clients)]
+        i += clients
+        done += sum(len(e.ids) for e in tok.encode_batch_fast(batch, add_special_tokens=False))
+    return done / (time.perf_counter() - start)
+
+
+async def measure_service(stub: Any, prompts: list[str], clients: int, seconds: float) -> tuple[float, list[float]]:
+    requests = [pb.TokenizeRequest(inputs=[pb.TokenizeInput(text=p)]) for p in prompts]
+    for req in requests[:clients]:
+        await stub.Tokenize(req)                                            # warm-up
+    latencies: list[float] = []
+    tokens = 0
+    end = time.perf_counter() + seconds
+
+    async def client(index: int) -> None:
+        nonlocal tokens
+        i = index
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            resp = await stub.Tokenize(requests[i % len(requests)])
+            latencies.append(time.perf_counter() - t0)
+            tokens += len(resp.results[0].ids)
+            i += clients
+
+    start = time.perf_counter()
+    await asyncio.gather(*[client(k) for k in range(clients)])
+    return tokens / (time.perf_counter() - start), latencies
+
+
+async def measure_point(tok: Tokenizer, stub: Any, prompts: list[str], clients: int,
+                        args: argparse.Namespace) -> TokenizeRow:
+    """Raw and service measured in alternating rounds, so background load hits both alike."""
+    raws, services, ratios, latencies = [], [], [], []
+    for _ in range(args.rounds):
+        raw = measure_raw(tok, prompts, clients, args.seconds / args.rounds)
+        svc, lat = await measure_service(stub, prompts, clients, args.seconds / args.rounds)
+        raws.append(raw)
+        services.append(svc)
+        ratios.append(svc / raw)
+        latencies.extend(lat)
+    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [latencies[0]] * 99
+    return TokenizeRow(len(tok.encode(prompts[0], add_special_tokens=False).ids), clients, len(latencies),
+                       statistics.median(services), statistics.median(raws), statistics.median(ratios),
+                       statistics.median(latencies) * 1e3, q[98] * 1e3)
+
+
+async def detok_single(stub: Any, ids: list[list[int]]) -> float:
+    """One Detokenize stream per request, one token per message."""
+    async def one(rid: str, seq: list[int]) -> None:
+        call = stub.Detokenize()
+
+        async def writer() -> None:
+            await call.write(pb.DetokenizeRequest(open=[pb.DetokOpen(request_id=rid)]))
+            for k, t in enumerate(seq):
+                await call.write(pb.DetokenizeRequest(
+                    tokens=[pb.DetokTokens(request_id=rid, token_ids=[t], final=k == len(seq) - 1)]))
+            await call.done_writing()
+
+        task = asyncio.create_task(writer())
+        async for resp in call:
+            if any(o.finished for o in resp.outputs):
+                break
+        await task
+
+    start = time.perf_counter()
+    await asyncio.gather(*[one(f"r{i}", seq) for i, seq in enumerate(ids)])
+    return time.perf_counter() - start
+
+
+async def detok_multiplexed(stub: Any, ids: list[list[int]]) -> float:
+    """One stream; each message carries the next token of every request."""
+    call = stub.Detokenize()
+    rids = [f"r{i}" for i in range(len(ids))]
+    length = len(ids[0])
+
+    async def writer() -> None:
+        await call.write(pb.DetokenizeRequest(open=[pb.DetokOpen(request_id=r) for r in rids]))
+        for k in range(length):
+            await call.write(pb.DetokenizeRequest(tokens=[
+                pb.DetokTokens(request_id=r, token_ids=[seq[k]], final=k == length - 1)
+                for r, seq in zip(rids, ids, strict=True)]))
+        await call.done_writing()
+
+    start = time.perf_counter()
+    task = asyncio.create_task(writer())
+    finished = 0
+    async for resp in call:
+        finished += sum(1 for o in resp.outputs if o.finished)
+        if finished == len(ids):
+            break
+    await task
+    return time.perf_counter() - start
+
+
+class Service:
+    """`python -m tokenizer_svc` on an ephemeral port."""
+
+    def __init__(self, tokenizer: pathlib.Path, workers: int) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="bench-tok-")
+        self.port_file = pathlib.Path(self._dir.name) / "port"
+        self.log = open(pathlib.Path(self._dir.name) / "log", "w")  # closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenizer_svc", "--tokenizer", str(tokenizer), "--port", "0",
+             "--port-file", str(self.port_file), "--log-level", "WARNING", "--workers", str(workers),
+             "--max-input-tokens", "-1", "--max-batch", "256"],
+            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    async def address(self) -> str:
+        deadline = time.monotonic() + 120
+        while not self.port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("tokenizer service did not start: " + self.log.name)
+            await asyncio.sleep(0.05)
+        address = f"127.0.0.1:{int(self.port_file.read_text())}"
+        await wait_healthy(address, timeout=30)
+        return address
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+        self._dir.cleanup()
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    text = TEXT_FILE.read_text(encoding="utf-8")
+    tok = Tokenizer.from_file(str(args.tokenizer))
+    tok.no_padding()
+    tok.no_truncation()
+    cores = os.cpu_count() or 1
+    service = Service(args.tokenizer, cores)
+    rows: list[TokenizeRow] = []
+    detok: list[DetokRow] = []
+    try:
+        async with insecure_channel(await service.address()) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+            total_tokens = len(tok.encode(text, add_special_tokens=False).ids)
+            for size in args.sizes:
+                # Many distinct prompts, so repeats do not just measure the tokenizer's word cache.
+                prompts = make_prompts(tok, text, size, max(args.clients, min(64, total_tokens // size)))
+                for clients in sorted({1, args.clients}):
+                    rows.append(await measure_point(tok, stub, prompts, clients, args))
+            all_ids = tok.encode(text, add_special_tokens=False).ids
+            seqs = [all_ids[i * args.detok_tokens:(i + 1) * args.detok_tokens] for i in range(args.detok_requests)]
+            total = args.detok_requests * args.detok_tokens
+            for mode, fn in (("stream per request", detok_single), ("multiplexed", detok_multiplexed)):
+                await fn(stub, [s[:16] for s in seqs])   # warm-up
+                secs = statistics.median([await fn(stub, seqs) for _ in range(args.repeats)])
+                messages = total if fn is detok_single else args.detok_tokens
+                detok.append(DetokRow(mode, args.detok_requests, args.detok_tokens, messages, total / secs, secs))
+    finally:
+        service.stop()
+    return {"tokenizer": str(args.tokenizer), "cores": cores, "seconds_per_point": args.seconds,
+            "tokenize": [asdict(r) for r in rows], "detokenize": [asdict(r) for r in detok]}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"tokenizer: {result['tokenizer']}  cores: {result['cores']}")
+    print(f"{'prompt':>7} {'clients':>7} {'reqs':>6} {'service tok/s':>14} {'raw tok/s':>12} {'ratio':>6} "
+          f"{'p50 ms':>8} {'p99 ms':>8}")
+    for r in result["tokenize"]:
+        print(f"{r['prompt_tokens']:>7} {r['clients']:>7} {r['requests']:>6} {r['service_tok_s']:>14,.0f} "
+              f"{r['raw_tok_s']:>12,.0f} {r['ratio']:>6.2f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}")
+    print(f"\n{'detokenize':>20} {'requests':>9} {'tokens/req':>10} {'messages':>9} {'tok/s':>10} {'s':>6}")
+    for r in result["detokenize"]:
+        print(f"{r['mode']:>20} {r['requests']:>9} {r['tokens_per_request']:>10} {r['messages_in']:>9} "
+              f"{r['tok_s']:>10,.0f} {r['seconds']:>6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", type=pathlib.Path, default=DEFAULT_TOKENIZER)
+    parser.add_argument("--clients", type=int, default=16, help="N concurrent clients (1 is always run)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per point and side")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating raw/service rounds per point")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 32768], help="prompt sizes in tokens")
+    parser.add_argument("--detok-requests", type=int, default=128)
+    parser.add_argument("--detok-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3, help="detokenize runs per mode (median is reported)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args()
+    if not TEXT_FILE.exists() or not args.tokenizer.exists():
+        print(f"skipped: {TEXT_FILE} or {args.tokenizer} is absent (development data from ../shared/data)")
+        return
+    result = asyncio.run(run(args))
+    print(json.dumps(result, indent=2) if args.json else "", end="\n" if args.json else "")
+    if not args.json:
+        print_table(result)
+
+
+if __name__ == "__main__":
+    main()

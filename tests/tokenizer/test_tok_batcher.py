@@ -1,0 +1,142 @@
+"""The batcher: batching under load, bounded pending work, per-job errors, cancellation, close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from services.errors import InvalidArgument, Unavailable
+from tokenizer_svc.batcher import Batcher
+
+
+class Gate:
+    """A batch function that records its batches and can be held closed to build up load."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.entered = threading.Event()
+        self.batches: list[list[list[str]]] = []
+
+    def __call__(self, jobs: list[list[str]]) -> list[list[str] | BaseException]:
+        self.batches.append(jobs)
+        self.entered.set()
+        self.open.wait(10)
+        return [InvalidArgument("bad", "BAD_ITEM") if "bad" in job else [s.upper() for s in job] for job in jobs]
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def test_jobs_arriving_while_busy_are_batched_together() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=100, max_pending=1000)
+    await batcher.start()
+    try:
+        gate.open.clear()
+        first = asyncio.create_task(batcher.submit(["a"], 1))
+        await wait_until(gate.entered.is_set)
+        rest = [asyncio.create_task(batcher.submit([f"x{i}", f"y{i}"], 2)) for i in range(10)]
+        await wait_until(lambda: batcher.pending == 21)
+        gate.open.set()
+        assert await first == ["A"]
+        assert await asyncio.gather(*rest) == [[f"X{i}", f"Y{i}"] for i in range(10)]
+        # The ten jobs queued behind the first ran as one batch.
+        assert [len(b) for b in gate.batches] == [1, 10]
+        assert batcher.pending == 0
+    finally:
+        await batcher.close()
+
+
+async def test_max_batch_splits_batches() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=4, max_pending=1000)
+    await batcher.start()
+    try:
+        gate.open.clear()
+        first = asyncio.create_task(batcher.submit(["a"], 1))
+        await wait_until(gate.entered.is_set)
+        rest = [asyncio.create_task(batcher.submit([str(i)], 1)) for i in range(10)]
+        await wait_until(lambda: batcher.pending == 11)
+        gate.open.set()
+        await asyncio.gather(first, *rest)
+        assert [len(b) for b in gate.batches] == [1, 4, 4, 2]
+    finally:
+        await batcher.close()
+
+
+async def test_overload_is_rejected_not_queued() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=8, max_pending=3)
+    await batcher.start()
+    try:
+        gate.open.clear()
+        held = asyncio.create_task(batcher.submit(["a", "b"], 2))
+        await wait_until(gate.entered.is_set)
+        with pytest.raises(Unavailable) as info:
+            await batcher.submit(["c", "d"], 2)
+        assert info.value.reason == "OVERLOADED"
+        ok = asyncio.create_task(batcher.submit(["c"], 1))   # exactly at the limit is fine
+        await wait_until(lambda: batcher.pending == 3)
+        gate.open.set()
+        assert await held == ["A", "B"] and await ok == ["C"]
+    finally:
+        await batcher.close()
+
+
+async def test_one_bad_job_does_not_fail_its_batch_mates() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=8, max_pending=100)
+    await batcher.start()
+    try:
+        gate.open.clear()
+        first = asyncio.create_task(batcher.submit(["a"], 1))
+        await wait_until(gate.entered.is_set)
+        good = asyncio.create_task(batcher.submit(["ok"], 1))
+        bad = asyncio.create_task(batcher.submit(["bad"], 1))
+        await wait_until(lambda: batcher.pending == 3)
+        gate.open.set()
+        assert await first == ["A"] and await good == ["OK"]
+        with pytest.raises(InvalidArgument):
+            await bad
+    finally:
+        await batcher.close()
+
+
+async def test_cancelled_jobs_are_skipped_and_released() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=8, max_pending=100)
+    await batcher.start()
+    try:
+        gate.open.clear()
+        first = asyncio.create_task(batcher.submit(["a"], 1))
+        await wait_until(gate.entered.is_set)
+        gone = asyncio.create_task(batcher.submit(["gone"], 1))
+        await wait_until(lambda: batcher.pending == 2)
+        gone.cancel()
+        kept = asyncio.create_task(batcher.submit(["kept"], 1))
+        gate.open.set()
+        assert await first == ["A"] and await kept == ["KEPT"]
+        assert all(["gone"] not in batch for batch in gate.batches)
+        await wait_until(lambda: batcher.pending == 0)
+    finally:
+        await batcher.close()
+
+
+async def test_unexpected_failure_reaches_every_caller_and_close_rejects() -> None:
+    def broken(jobs: list[list[str]]) -> list[list[str] | BaseException]:
+        raise RuntimeError("boom")
+
+    batcher: Batcher[list[str], list[str]] = Batcher(broken, workers=2, max_batch=8, max_pending=100)
+    await batcher.start()
+    results = await asyncio.gather(batcher.submit(["a"], 1), batcher.submit(["b"], 1), return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results)
+    await batcher.close()
+    with pytest.raises(Unavailable):
+        await batcher.submit(["late"], 1)

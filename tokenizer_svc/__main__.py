@@ -1,0 +1,19 @@
+"""`python -m tokenizer_svc`: parse settings, configure logging, serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.logging import configure_logging
+from tokenizer_svc.app import serve
+from tokenizer_svc.config import load_settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = load_settings(argv)
+    configure_logging(settings.log_level, settings.log_format, service="tokenizer")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

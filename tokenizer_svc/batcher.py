@@ -1,0 +1,148 @@
+"""Gather the inputs of concurrent calls into batches and run them on a bounded thread pool.
+
+Callers `submit` a job of some size (for the tokenizer: a call and its number of inputs) and
+await its result. One dispatcher task takes jobs off the queue only when a worker is free, so
+under load the jobs that arrive meanwhile are batched together (up to `max_batch` in size),
+while an idle service runs a lone job immediately. The batch function runs in a worker thread
+(for the tokenizer: `encode_batch`, which releases the GIL) and returns, per job, its result or
+the exception for that job alone. Pending work is bounded: a job that would take the size of
+queued + running work past `max_pending` is rejected with `Unavailable(..., "OVERLOADED")`
+instead of growing the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from services.errors import Unavailable
+from services.logging import get_logger
+
+log = get_logger(__name__)
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+BatchFn = Callable[[list[J]], Sequence["R | BaseException"]]
+
+
+@dataclass(eq=False)
+class _Job(Generic[J, R]):
+    job: J
+    size: int
+    future: asyncio.Future[R] = field(repr=False)
+
+
+class Batcher(Generic[J, R]):
+    def __init__(self, process: BatchFn[J, R], *, workers: int, max_batch: int, max_pending: int,
+                 name: str = "batcher") -> None:
+        if workers < 1 or max_batch < 1 or max_pending < 1:
+            raise ValueError("workers, max_batch and max_pending must be >= 1")
+        self._process = process
+        self.workers = workers
+        self.max_batch = max_batch
+        self.max_pending = max_pending
+        self._name = name
+        self._queue: asyncio.Queue[_Job[J, R]] = asyncio.Queue()
+        self._pending = 0
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._dispatcher: asyncio.Task[None] | None = None
+        self.batches_run = 0          # for tests and metrics: how many batch calls were made
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    async def start(self) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix=self._name)
+        self._slots = asyncio.Semaphore(self.workers)
+        self._dispatcher = asyncio.create_task(self._dispatch(), name=f"{self._name}-dispatch")
+
+    async def close(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dispatcher
+            self._dispatcher = None
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            if not job.future.done():
+                job.future.set_exception(Unavailable("tokenizer is shutting down", "SHUTTING_DOWN"))
+        if self._executor is not None:
+            # Running batches finish in their threads; nobody waits for them any more.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def submit(self, job: J, size: int = 1) -> R:
+        if self._dispatcher is None:
+            raise Unavailable("tokenizer is not running", "SHUTTING_DOWN")
+        if self._pending + size > self.max_pending:
+            raise Unavailable(f"tokenizer overloaded: {self._pending} inputs pending", "OVERLOADED")
+        entry: _Job[J, R] = _Job(job, size, asyncio.get_running_loop().create_future())
+        self._pending += size
+        self._queue.put_nowait(entry)
+        try:
+            return await entry.future
+        finally:
+            if not entry.future.done():
+                # The caller went away: the dispatcher will skip this job.
+                entry.future.cancel()
+
+    async def _dispatch(self) -> None:
+        assert self._slots is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._slots.acquire()
+            batch = self._take(await self._queue.get())
+            if not batch:
+                self._slots.release()
+                continue
+            run = loop.run_in_executor(self._executor, self._run, [entry.job for entry in batch])
+            run.add_done_callback(lambda f, b=batch: self._finish(b, f))  # type: ignore[misc]
+
+    def _take(self, first: _Job[J, R]) -> list[_Job[J, R]]:
+        """The first job plus whatever else is queued, up to max_batch in size; cancelled jobs dropped."""
+        batch: list[_Job[J, R]] = []
+        size = 0
+        entry: _Job[J, R] | None = first
+        while entry is not None:
+            if entry.future.done():
+                self._pending -= entry.size
+            else:
+                batch.append(entry)
+                size += entry.size
+            entry = self._queue.get_nowait() if size < self.max_batch and not self._queue.empty() else None
+        return batch
+
+    def _run(self, jobs: list[J]) -> Sequence[R | BaseException]:
+        results = self._process(jobs)
+        if len(results) != len(jobs):
+            raise RuntimeError(f"batch function returned {len(results)} results for {len(jobs)} jobs")
+        return results
+
+    def _finish(self, batch: list[_Job[J, R]], run: asyncio.Future[Any]) -> None:
+        assert self._slots is not None
+        self._slots.release()
+        self.batches_run += 1
+        self._pending -= sum(entry.size for entry in batch)
+        error = None if run.cancelled() else run.exception()
+        if run.cancelled() or error is not None:
+            log.error("batch_failed", batcher=self._name, error=repr(error))
+        for i, entry in enumerate(batch):
+            if entry.future.done():
+                continue
+            if run.cancelled():
+                entry.future.set_exception(Unavailable("tokenizer is shutting down", "SHUTTING_DOWN"))
+            elif error is not None:
+                entry.future.set_exception(error)
+            else:
+                result = run.result()[i]
+                if isinstance(result, BaseException):
+                    entry.future.set_exception(result)
+                else:
+                    entry.future.set_result(result)

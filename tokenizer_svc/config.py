@@ -1,0 +1,50 @@
+"""Settings of the tokenizer service (flags, TOKENRELAY_TOKENIZER_* environment, defaults)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from services.config import parse_settings, setting
+
+ENV_PREFIX = "TOKENRELAY_TOKENIZER_"
+
+
+@dataclass
+class TokenizerSettings:
+    """tokenizer_svc: batched tokenization and multiplexed streaming detokenization over gRPC."""
+
+    tokenizer: str = setting("", "model directory or tokenizer.json (required); tokenizer_config.json, "
+                                 "generation_config.json and config.json are read from the same directory")
+    tokenizer_config: str = setting("", "explicit tokenizer_config.json (default: next to tokenizer.json)")
+    generation_config: str = setting("", "explicit generation_config.json (default: next to tokenizer.json)")
+    model_config: str = setting("", "explicit config.json (default: next to tokenizer.json)")
+    chat_template: str = setting("", "chat template override: a file path, one of the model's named "
+                                     "templates, or a built-in name (chatml, gemma)")
+    workers: int = setting(0, "tokenize worker threads (0 = number of cores)")
+    max_batch: int = setting(64, "most inputs in one Tokenize call, and the batch size aimed for")
+    max_pending: int = setting(4096, "inputs queued or running before Tokenize answers UNAVAILABLE/OVERLOADED")
+    max_input_bytes: int = setting(4 << 20, "largest input in UTF-8 bytes (INPUT_TOO_LARGE beyond)")
+    max_input_tokens: int = setting(0, "most tokens per input (PROMPT_TOO_LONG beyond); 0 = the model's "
+                                       "context length when known, else no limit; -1 = no limit")
+    detok_workers: int = setting(1, "threads that run large Detokenize batches off the event loop")
+    max_stream_requests: int = setting(10_000, "most requests open at once on one Detokenize stream")
+    metrics_port: int = setting(-1, "Prometheus /metrics port (0 = ephemeral, -1 = off)")
+    metrics_port_file: str = setting("", "write the bound metrics port here")
+    otlp_endpoint: str = setting("", "OTLP gRPC endpoint for traces (empty = no export)")
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(0, "port to bind (0 = ephemeral)")
+    port_file: str = setting("", "once serving, write the bound port here (atomically)")
+    log_level: str = setting("INFO", "log level")
+    log_format: str = setting("json", "log format: json or console")
+    shutdown_grace: float = setting(5.0, "seconds in-flight calls get to finish on shutdown")
+
+    def effective_workers(self) -> int:
+        return self.workers if self.workers > 0 else (os.cpu_count() or 1)
+
+
+def load_settings(argv: list[str] | None = None) -> TokenizerSettings:
+    settings = parse_settings(TokenizerSettings, argv, prog="python -m tokenizer_svc", env_prefix=ENV_PREFIX)
+    if not settings.tokenizer:
+        raise SystemExit("python -m tokenizer_svc: --tokenizer (or TOKENRELAY_TOKENIZER_TOKENIZER) is required")
+    return settings

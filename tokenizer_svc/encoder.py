@@ -1,0 +1,189 @@
+"""Tokenize: validate inputs, render chats, encode in batches off the event loop, enforce limits.
+
+Semantics (documented for clients):
+* A call carries 1..max_batch inputs; an empty call, an input with neither text nor chat, or a
+  chat without messages is `EMPTY_INPUT`. An empty *text* is allowed and encodes to its special
+  tokens only (e.g. just BOS when `add_special_tokens` is set), as the tokenizer itself does.
+* Text: encoded with `add_special_tokens` as given. Chat: rendered with the chat template, then
+  encoded with `add_special_tokens=False` (the template writes BOS etc.), as transformers does;
+  the input's `add_special_tokens` flag is ignored for chats.
+* Limits: an input over `max_input_bytes` UTF-8 bytes is `INPUT_TOO_LARGE` (checked before any
+  work is queued); one that encodes to more than `max_input_tokens` ids is `PROMPT_TOO_LONG`.
+  One bad input fails its whole call, never the other calls batched with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.trace import SpanKind
+
+from services.errors import InvalidArgument, TokenrelayError
+from services.tracing import tracer
+from tokenizer_svc import metrics
+from tokenizer_svc.batcher import Batcher
+from tokenizer_svc.chat_template import ChatTemplate
+from tokenizer_svc.loader import LoadedTokenizer
+
+_tracer = tracer("tokenrelay.tokenizer")
+
+
+@dataclass(frozen=True, slots=True)
+class TextInput:
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ChatInput:
+    messages: Sequence[Mapping[str, str]]
+    add_generation_prompt: bool = True
+
+
+EncodeInput = TextInput | ChatInput
+# Turns one call's ids into whatever the caller wants (the servicer: a protobuf response), in the
+# worker thread, so that per-id conversion work stays off the event loop.
+Finish = Callable[[list[list[int]]], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    inputs: list[EncodeInput]
+    finish: Finish | None
+
+
+@dataclass(frozen=True)
+class EncoderLimits:
+    max_batch: int = 64             # inputs per call, and the batch size the batcher aims for
+    max_pending: int = 4096         # inputs queued or running before calls are rejected
+    max_input_bytes: int = 4 << 20  # per input, UTF-8
+    max_input_tokens: int = 0       # per input; 0 = no limit
+
+
+class Encoder:
+    """The Tokenize use case; owns the batcher (start/close)."""
+
+    def __init__(self, tokenizer: LoadedTokenizer, template: ChatTemplate | None, limits: EncoderLimits,
+                 *, workers: int) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.limits = limits
+        self.batcher: Batcher[_Call, Any] = Batcher(
+            self._encode_jobs, workers=workers, max_batch=limits.max_batch,
+            max_pending=max(limits.max_pending, limits.max_batch), name="tokenize")
+        metrics.LOAD.add_encoder(self.batcher)
+
+    async def start(self) -> None:
+        await self.batcher.start()
+
+    async def close(self) -> None:
+        await self.batcher.close()
+
+    async def tokenize(self, inputs: Sequence[EncodeInput | None], finish: Finish | None = None) -> Any:
+        """Ids per input (or `finish(ids)`); None stands for an input that carried nothing."""
+        start = time.perf_counter()
+        with _tracer.start_as_current_span("tokenizer.tokenize", kind=SpanKind.SERVER,
+                                           attributes={"tokenrelay.inputs": len(inputs)}):
+            try:
+                checked = self._validate(inputs)
+                result = await self.batcher.submit(_Call(checked, finish), size=len(checked))
+            except TokenrelayError as exc:
+                metrics.count_rejection(exc.reason)
+                raise
+        metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - start)
+        return result
+
+    def _validate(self, inputs: Sequence[EncodeInput | None]) -> list[EncodeInput]:
+        if not inputs:
+            raise InvalidArgument("no inputs", "EMPTY_INPUT")
+        if len(inputs) > self.limits.max_batch:
+            raise InvalidArgument(f"{len(inputs)} inputs in one call; at most {self.limits.max_batch}",
+                                  "BATCH_TOO_LARGE")
+        checked: list[EncodeInput] = []
+        for index, item in enumerate(inputs):
+            if item is None:
+                raise InvalidArgument(f"input {index} has neither text nor chat", "EMPTY_INPUT")
+            size = self._input_bytes(index, item)
+            if size > self.limits.max_input_bytes:
+                raise InvalidArgument(f"input {index} is {size} bytes; at most {self.limits.max_input_bytes}",
+                                      "INPUT_TOO_LARGE")
+            checked.append(item)
+        return checked
+
+    def _input_bytes(self, index: int, item: EncodeInput) -> int:
+        if isinstance(item, TextInput):
+            return _utf8_len(item.text)
+        if not item.messages:
+            raise InvalidArgument(f"input {index}: chat has no messages", "EMPTY_INPUT")
+        if self.template is None:
+            raise InvalidArgument("this model has no chat template (start the tokenizer with "
+                                  "--chat-template)", "NO_CHAT_TEMPLATE")
+        return sum(_utf8_len(m.get("content") or "") + _utf8_len(m.get("role") or "") for m in item.messages)
+
+    # ------------------------------------------------------------------ worker thread
+    def _encode_jobs(self, calls: list[_Call]) -> list[Any]:
+        """Render and encode every call's inputs in (at most two) encode_batch calls."""
+        texts: dict[bool, list[str]] = {True: [], False: []}
+        slots: list[list[tuple[bool, int]] | BaseException] = []
+        for call in calls:
+            try:
+                rendered = [self._text_of(item) for item in call.inputs]
+            except InvalidArgument as exc:
+                slots.append(exc)
+                continue
+            call_slots = []
+            for text, special in rendered:
+                call_slots.append((special, len(texts[special])))
+                texts[special].append(text)
+            slots.append(call_slots)
+        encoded = {special: self._encode(batch, special) for special, batch in texts.items()}
+        metrics.BATCH_INPUTS.observe(len(texts[True]) + len(texts[False]))
+        results: list[Any] = []
+        for call, slot in zip(calls, slots, strict=True):
+            if isinstance(slot, BaseException):
+                results.append(slot)
+                continue
+            ids = [encoded[special][i] for special, i in slot]
+            error = self._check(ids)
+            if error is None:
+                _count(call.inputs, ids)
+            results.append(error or (call.finish(ids) if call.finish else ids))
+        return results
+
+    def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        if not texts:
+            return []
+        # encode_batch releases the GIL and spreads the inputs over the tokenizers' own thread pool.
+        batch = self.tokenizer.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in batch]
+
+    def _text_of(self, item: EncodeInput) -> tuple[str, bool]:
+        if isinstance(item, ChatInput):
+            assert self.template is not None
+            return self.template.render(item.messages, item.add_generation_prompt), False
+        return item.text, item.add_special_tokens
+
+    def _check(self, ids: list[list[int]]) -> InvalidArgument | None:
+        limit = self.limits.max_input_tokens
+        for index, seq in enumerate(ids):
+            if limit and len(seq) > limit:
+                return InvalidArgument(f"input {index} is {len(seq)} tokens; at most {limit}",
+                                       "PROMPT_TOO_LONG")
+        return None
+
+
+def _count(inputs: list[EncodeInput], ids: list[list[int]]) -> None:
+    chats = sum(1 for item in inputs if isinstance(item, ChatInput))
+    if chats:
+        metrics.CHAT_INPUTS.inc(chats)
+    if len(inputs) > chats:
+        metrics.TEXT_INPUTS.inc(len(inputs) - chats)
+    metrics.TOKENS.inc(sum(len(seq) for seq in ids))
+
+
+def _utf8_len(text: str) -> int:
+    # Most prompts are ASCII: the char count is then the byte count and costs nothing.
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
