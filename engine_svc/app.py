@@ -1,10 +1,13 @@
-"""Wire the engine service: backend → Engine → servicer → GrpcServer, and shut down gracefully."""
+"""Wire the engine service: backend → Engine → servicer → GrpcServer, metrics and tracing, and shut
+down gracefully."""
 
 from __future__ import annotations
 
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import get_logger
+from services.metrics import start_metrics_server
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
+from services.tracing import ServerTracingInterceptor, configure_tracing
 
 from .backends import create_backend
 from .config import EngineSettings
@@ -19,22 +22,34 @@ async def start_engine(settings: EngineSettings) -> tuple[Engine, GrpcServer]:
     """Build and start the engine and its server (tests use this in-process)."""
     engine = Engine(create_backend(settings), settings.max_queued)
     await engine.start()
-    server = GrpcServer(settings.host, settings.port, [SERVICE_NAME])
+    server = GrpcServer(settings.host, settings.port, [SERVICE_NAME], [ServerTracingInterceptor()])
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
     await server.start()
     return engine, server
 
 
+def start_metrics(settings: EngineSettings) -> int:
+    """Serve /metrics on ``settings.metrics_port`` and publish the bound port to
+    ``metrics_port_file``; returns it (-1 = off). The endpoint lives as long as the process."""
+    port = start_metrics_server(settings.host, settings.metrics_port)
+    write_port_file(settings.metrics_port_file, port)
+    return port
+
+
 async def serve(settings: EngineSettings) -> None:
+    configure_tracing("engine_svc", settings.otlp_endpoint)
     try:
+        # Metrics first: their failure then needs no cleanup, and /metrics already answers while
+        # a large model loads.
+        metrics_port = start_metrics(settings)
         engine, server = await start_engine(settings)
     except (ValueError, OSError) as exc:  # bad settings, missing model, port taken: say so, no traceback
         raise SystemExit(f"engine_svc: cannot start: {exc}") from exc
     try:
         write_port_file(settings.port_file, server.port)
         load = engine.load()
-        log.info("listening", address=server.address, backend=load.backend, model=load.model,
-                 max_context=load.max_context, max_active=load.max_active)
+        log.info("listening", address=server.address, metrics_port=metrics_port, backend=load.backend,
+                 model=load.model, max_context=load.max_context, max_active=load.max_active)
         await wait_for_shutdown_signal()
         log.info("shutting_down", live=engine.live)
         # Refuse new work, mark NOT_SERVING, and give in-flight requests the grace period; each

@@ -50,6 +50,9 @@ class EngineSettings:
     hf_sampling: bool = setting(_HF.sampling, "hf: allow temperature > 0 (per-request temperature, "
                                               "top_p, top_k); off = a greedy-only engine")
 
+    metrics_port: int = setting(-1, "Prometheus /metrics port (0 = ephemeral, -1 = off)")
+    metrics_port_file: str = setting("", "write the bound metrics port here")
+    otlp_endpoint: str = setting("", "OTLP gRPC endpoint for traces (empty = no export)")
     log_level: str = setting("INFO", "log level")
     log_format: str = setting("json", "json | console")
     shutdown_grace: float = setting(10.0, "seconds in-flight streams get to finish on SIGTERM")

@@ -6,6 +6,7 @@ batch plus ``max_queued`` waiting — beyond which submits are rejected with ENG
 instead of queueing without limit. It also lets a unary Abort reach a request of any stream, and
 drains for a graceful shutdown: after `drain()` new submits are refused (ENGINE_OVERLOADED, so
 routers retry elsewhere) and every stream ends by itself once it carries no live request.
+Between `start()` and `close()` its backend is attached to the metrics collector.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from services.errors import InvalidArgument, Unavailable
 from services.logging import get_logger
 
+from . import metrics
 from .backends.base import Backend, GenerationEvent, GenerationRequest, LoadSnapshot, Sink
 
 log = get_logger(__name__)
@@ -32,8 +34,10 @@ class Engine:
     async def start(self) -> None:
         await self.backend.start()
         self._capacity = self.backend.load().max_active + self.max_queued
+        metrics.attach(self.backend)
 
     async def close(self) -> None:
+        metrics.detach(self.backend)
         await self.backend.close()
 
     def drain(self) -> None:

@@ -28,7 +28,8 @@ def request_from_proto(r: engine_pb2.EngineRequest) -> GenerationRequest:
         request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids), max_tokens=s.max_tokens,
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop_token_ids=list(s.stop_token_ids),
-        eos_token_ids=list(r.eos_token_ids), ignore_eos=s.ignore_eos, cache_salt=r.cache_salt)
+        eos_token_ids=list(r.eos_token_ids), ignore_eos=s.ignore_eos, cache_salt=r.cache_salt,
+        trace_context=dict(r.trace_context))
 
 
 def chunk_to_proto(c: Chunk) -> engine_pb2.TokenChunk:

@@ -3,6 +3,8 @@
 A `StreamSession` owns a reader task (inbound submits and aborts), the stream's `Outbox` and the
 ids of the requests it carries. It is the per-request error boundary of a stream: a request that
 is rejected or fails becomes a finished ERROR chunk with its reason, and the stream carries on.
+Every request that arrives, accepted or rejected, gets its `RequestTelemetry` (span + metrics)
+here, the one place all of them pass.
 When the stream ends — the client half-closes (or the engine drains for shutdown) and every
 request has finished, or the call is cancelled or breaks — `close()` aborts every request still
 live, freeing its engine slot and KV.
@@ -20,6 +22,7 @@ from services.logging import get_logger
 from .backends.base import GenerationEvent, GenerationRequest
 from .engine import Engine
 from .outbox import Chunk, Outbox
+from .telemetry import RequestTelemetry
 
 log = get_logger(__name__)
 
@@ -47,21 +50,23 @@ class StreamSession:
 
     def submit(self, request: GenerationRequest) -> None:
         rid = request.request_id
+        telemetry = RequestTelemetry(request, self._on_event)
         if rid in self._live:
-            self._reject(rid, "DUPLICATE_REQUEST_ID", f"request id {rid!r} is already live on this stream")
+            self._reject(telemetry, rid, "DUPLICATE_REQUEST_ID", f"request id {rid!r} is already live on this stream")
             return
         self._live.add(rid)
         try:
-            self._engine.submit(request, self._on_event)
+            self._engine.submit(request, telemetry)
         except TokenrelayError as exc:
             self._live.discard(rid)
-            self._reject(rid, exc.reason, exc.message)
+            self._reject(telemetry, rid, exc.reason, exc.message)
         except Exception as exc:  # a backend bug must not take the other requests down
             self._live.discard(rid)
             log.exception("submit_failed", request_id=rid)
-            self._reject(rid, "ENGINE_ERROR", f"engine failed to accept the request: {exc!r}")
+            self._reject(telemetry, rid, "ENGINE_ERROR", f"engine failed to accept the request: {exc!r}")
 
-    def _reject(self, request_id: str, reason: str, message: str) -> None:
+    def _reject(self, telemetry: RequestTelemetry, request_id: str, reason: str, message: str) -> None:
+        telemetry.rejected(reason, message)
         # A separate chunk, so a rejected duplicate never merges into the live request's chunk.
         self.outbox.push_separate(GenerationEvent.failed(request_id, reason, message))
 

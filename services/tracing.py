@@ -9,25 +9,65 @@ in-memory exporter in tests, and nowhere otherwise (the SDK still creates ids so
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import json
+import os
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 
 _configured = False
 
 
-def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExporter | None = None) -> None:
-    """Install the global tracer provider once per process."""
+class JsonlSpanExporter(SpanExporter):
+    """Appends finished spans as JSON lines to a file (debugging, and tests across processes)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = []
+        for span in spans:
+            ctx, parent = span.get_span_context(), span.parent
+            lines.append(json.dumps({
+                "name": span.name, "trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x"),
+                "parent_id": format(parent.span_id, "016x") if parent else None,
+                "service": span.resource.attributes.get("service.name"), "start": span.start_time,
+                "end": span.end_time, "attributes": dict(span.attributes or {}),
+                "status": span.status.status_code.name}))
+        with self._lock, open(self._path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExporter | None = None,
+                      trace_file: str = "") -> None:
+    """Install the global tracer provider once per process.
+
+    ``trace_file`` (or env TOKENRELAY_TRACE_FILE) appends spans as JSON lines.
+    """
     global _configured
     if _configured:
         return
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    trace_file = trace_file or os.environ.get("TOKENRELAY_TRACE_FILE", "")
+    if trace_file:
+        provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(trace_file)))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     elif otlp_endpoint:

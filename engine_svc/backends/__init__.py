@@ -14,14 +14,17 @@ from .base import (
     GenerationEvent,
     GenerationRequest,
     LoadSnapshot,
+    PrefixCacheStats,
     Sink,
+    StepObserver,
+    StepStats,
 )
 
 if TYPE_CHECKING:
     from ..config import EngineSettings
 
 __all__ = ["BACKENDS", "Backend", "FinishReason", "GenerationEvent", "GenerationRequest",
-           "LoadSnapshot", "Sink", "create_backend"]
+           "LoadSnapshot", "PrefixCacheStats", "Sink", "StepObserver", "StepStats", "create_backend"]
 
 
 def _sim(s: EngineSettings) -> Backend:

@@ -50,6 +50,9 @@ class GenerationRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str = ""
+    # W3C trace context (traceparent/tracestate) of the caller's span, carried as a plain dict so
+    # the domain stays protobuf-free; empty = the request is not part of a trace.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
     def stop_set(self) -> frozenset[int]:
         """Token ids that end this request (they are emitted, then the request stops)."""
@@ -101,6 +104,29 @@ class LoadSnapshot:
     generated_tokens_total: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one engine step cost: the prompts it prefilled and the decode it ran."""
+
+    prefill_tokens: int                  # uncached prompt tokens computed in this step (0 = none)
+    prefill_seconds: float
+    batch_size: int                      # requests that got a token in this step
+    decode_seconds: float
+
+
+StepObserver = Callable[[StepStats], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """A backend's own prefix-cache accounting since it started (block granularity)."""
+
+    hit_blocks: int                      # full prompt blocks found in the cache
+    miss_blocks: int                     # full prompt blocks that had to be computed
+    cached_blocks: int                   # unreferenced blocks kept for reuse (reclaimable)
+    evicted_blocks: int                  # cached blocks reclaimed for new allocations
+
+
 class Backend(ABC):
     """An engine: token ids in, token ids out, many requests batched together."""
 
@@ -108,6 +134,9 @@ class Backend(ABC):
     model: str = ""
     max_context: int = 0
     vocab_size: int = 0                  # 0 = unknown (prompt ids are then not range-checked)
+    # Called on the event loop after each engine step by backends that step in Python (sim);
+    # the metrics module installs it. Backends whose steps are out of sight leave it unused.
+    step_observer: StepObserver | None = None
 
     @abstractmethod
     async def start(self) -> None:
@@ -128,7 +157,12 @@ class Backend(ABC):
 
     @abstractmethod
     def load(self) -> LoadSnapshot:
-        """A cheap snapshot of the engine's load."""
+        """A cheap snapshot of the engine's load (also read by the metrics scrape thread, so it
+        only reads sizes and counters)."""
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The backend's own prefix-cache hit accounting; None where it keeps none."""
+        return None
 
     def validate(self, request: GenerationRequest) -> None:
         """Checks every backend shares; `submit` callers run it first."""

@@ -16,6 +16,10 @@ transformers 5.24.0 this module is built around:
   drops the result handler the manager would otherwise keep forever.
 - No processor of the model's own generation_config (repetition penalty, ...) is applied; EOS ids
   come from the request, or from the model when the request names none.
+- The manager steps in its own thread, out of sight: this backend reports no per-step timings
+  (`step_observer` stays unused) and no prefix-cache statistics. Its prefill and decode cost
+  show in the engine's per-request metrics instead — time to first token and time per output
+  token as seen by the result callbacks on the event loop (see engine_svc/metrics.py).
 
 torch and transformers are imported only when the backend starts.
 """

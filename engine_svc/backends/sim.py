@@ -6,7 +6,8 @@ can reserve prompt + max_tokens (GUARANTEED_NO_EVICT, TensorRT-LLM's default pol
 ever preempted); it charges ``prefill_time_per_token`` for the admitted prompts' uncached tokens,
 then one decode step (``decode_step_time + decode_time_per_seq * batch``) in which every running
 request gets one token. Steps are paced on a virtual clock, so Python overhead is absorbed rather
-than added to the simulated time.
+than added to the simulated time. Each step reports what the cost model charged for it (prefill
+and decode seconds, batch size) to ``step_observer``: the step time the modelled GPU would take.
 
 Tokens are a deterministic function of (seed, prompt, position) over ``vocab_size``: each token is
 drawn from a rolling hash of the whole context (prompt + tokens so far), mixed with the seed. Like a
@@ -35,7 +36,16 @@ from dataclasses import dataclass
 from services.errors import InvalidArgument
 from services.logging import get_logger
 
-from .base import Backend, FinishReason, GenerationEvent, GenerationRequest, LoadSnapshot, Sink
+from .base import (
+    Backend,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    LoadSnapshot,
+    PrefixCacheStats,
+    Sink,
+    StepStats,
+)
 from .sim_kv import Allocation, KVCache
 
 log = get_logger(__name__)
@@ -168,6 +178,10 @@ class SimBackend(Backend):
             cached_tokens_total=self.cached_tokens_total,
             generated_tokens_total=self.generated_tokens_total)
 
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        kv = self.kv
+        return PrefixCacheStats(kv.hit_blocks, kv.miss_blocks, kv.cached_blocks, kv.evictions)
+
     # -- the stepping loop --------------------------------------------------------------------
     async def _run(self) -> None:
         clock = time.perf_counter()
@@ -179,14 +193,18 @@ class SimBackend(Backend):
                 clock = time.perf_counter()
             else:
                 cfg = self.config
-                clock += (admitted_tokens * cfg.prefill_time_per_token + cfg.decode_step_time
-                          + cfg.decode_time_per_seq * len(self._running))
+                batch = len(self._running)
+                prefill_seconds = admitted_tokens * cfg.prefill_time_per_token
+                decode_seconds = cfg.decode_step_time + cfg.decode_time_per_seq * batch
+                clock += prefill_seconds + decode_seconds
                 delay = clock - time.perf_counter()
                 # Always yield, even with zero costs, so gRPC and other tasks keep running.
                 await asyncio.sleep(delay if delay > 0 else 0)
                 if delay < -0.05:
                     clock = time.perf_counter()  # fell behind (overloaded CPU): don't burst
                 self._decode()
+                if self.step_observer is not None:
+                    self.step_observer(StepStats(admitted_tokens, prefill_seconds, batch, decode_seconds))
 
     def _admit(self) -> int:
         """Move waiting requests into the batch; returns the uncached prompt tokens to prefill."""

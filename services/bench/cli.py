@@ -171,14 +171,15 @@ def _targets(args: argparse.Namespace, state: _State) -> dict[str, Target]:
     # Compare runs the mesh first: the engine then replays the prompt lengths the mesh produced.
     names = ["mesh", "engine"] if args.compare else [args.target]
     out: dict[str, Target] = {}
-    if "engine" in names:
-        out["engine"] = EngineTarget(_engine_address(args, state), _vocab_size(args, state),
+    for name in names:
+        if name == "engine":
+            out[name] = EngineTarget(_engine_address(args, state), _vocab_size(args, state),
                                      max_context=args.max_context)
-    if "mesh" in names:
-        keys, default = _keys(args, state)
-        out["mesh"] = MeshTarget(args.address or state.get("router", "--address"), keys, default,
-                                 chat_api=args.chat_api, chars_per_token=args.chars_per_token,
-                                 max_context=args.max_context)
+        else:
+            keys, default = _keys(args, state)
+            out[name] = MeshTarget(args.address or state.get("router", "--address"), keys, default,
+                                   chat_api=args.chat_api, chars_per_token=args.chars_per_token,
+                                   max_context=args.max_context)
     for address in (getattr(t, "address", "") for t in out.values()):
         host = address.rpartition(":")[0].strip("[]")
         if host not in ("127.0.0.1", "localhost", "::1"):
@@ -204,8 +205,8 @@ async def _mesh_context(args: argparse.Namespace, state: _State, target: MeshTar
 
 
 async def _run_one(name: str, target: Target, w: Workload, cfg: RunConfig, progress: bool) -> RunResult:
-    await target.start()
     try:
+        await target.start()
         runner = Runner(target, w, cfg)
         bar = Progress(runner, label=name, total=cfg.requests, duration=cfg.duration) if progress else None
         if bar:
@@ -254,7 +255,7 @@ async def run_bench(args: argparse.Namespace) -> int:
             require_matplotlib()
         if "mesh" in targets:
             await _mesh_context(args, state, targets["mesh"])  # type: ignore[arg-type]
-    except (WorkloadError, BenchUsageError, PlotUnavailable, ValueError) as exc:
+    except (WorkloadError, BenchUsageError, PlotUnavailable, ValueError, OSError) as exc:
         _err(str(exc))
         return 2
     slo = Slo(args.slo_ttft, args.slo_itl, args.slo_e2e)

@@ -68,6 +68,8 @@ def group_stats(records: Sequence[RequestRecord], wall: float, slo: Slo) -> dict
         "tpot": dist_stats(r.tpot for r in ok if r.tpot is not None),
         "e2e": dist_stats(r.e2e for r in ok if r.e2e is not None),
         "queue": dist_stats(r.queue for r in ok if r.queue is not None),
+        "server_ttft": dist_stats(r.server_ttft for r in ok if r.server_ttft is not None),
+        "tokenize": dist_stats(r.tokenize for r in ok if r.tokenize is not None),
         "itl_estimated": any(r.itl_estimated for r in ok),
         "tokens": {"prompt": prompt, "cached": cached, "completion": completion,
                    "prompt_mean": prompt / len(ok) if ok else 0.0,
@@ -147,8 +149,12 @@ def _headline(report: Mapping[str, Any]) -> str:
 
 def _latency_table(s: Mapping[str, Any]) -> str:
     rows = []
-    for name, key in (("TTFT", "ttft"), ("ITL", "itl"), ("TPOT", "tpot"), ("E2E", "e2e"), ("queue", "queue")):
+    rows_spec = [("TTFT", "ttft"), ("ITL", "itl"), ("TPOT", "tpot"), ("E2E", "e2e"), ("queue", "queue"),
+                 ("server TTFT", "server_ttft"), ("tokenize", "tokenize")]
+    for name, key in rows_spec:
         st = s[key]
+        if st is None and key in ("server_ttft", "tokenize"):
+            continue  # reported by the mesh only
         label = name + (" (est.)" if key == "itl" and s["itl_estimated"] else "")
         rows.append([label, str(st["n"]) if st else "0", _ms(st, "mean"),
                      *(_ms(st, f"p{p}") for p in PERCENTILES), _ms(st, "max")])
@@ -186,6 +192,8 @@ _COMPARE_ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], float | None], str
     ("TTFT p50 (ms)", lambda s: s["ttft"] and s["ttft"]["p50"] * 1000, "ms"),
     ("TTFT p95 (ms)", lambda s: s["ttft"] and s["ttft"]["p95"] * 1000, "ms"),
     ("TTFT p99 (ms)", lambda s: s["ttft"] and s["ttft"]["p99"] * 1000, "ms"),
+    ("server TTFT p50 (ms)", lambda s: s["server_ttft"] and s["server_ttft"]["p50"] * 1000, "ms"),
+    ("server TTFT p99 (ms)", lambda s: s["server_ttft"] and s["server_ttft"]["p99"] * 1000, "ms"),
     ("ITL p50 (ms)", lambda s: s["itl"] and s["itl"]["p50"] * 1000, "ms"),
     ("ITL p95 (ms)", lambda s: s["itl"] and s["itl"]["p95"] * 1000, "ms"),
     ("ITL p99 (ms)", lambda s: s["itl"] and s["itl"]["p99"] * 1000, "ms"),

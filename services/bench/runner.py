@@ -56,6 +56,8 @@ class RequestRecord:
     e2e: float | None = None
     tpot: float | None = None           # this request's mean time per output token after the first
     queue: float | None = None
+    server_ttft: float | None = None    # mesh only: the router's TTFT (request received -> first token)
+    tokenize: float | None = None       # mesh only: the router's tokenize time
     itl: list[float] = field(default_factory=list)
     itl_estimated: bool = False         # deltas carried no token counts (Chat API): even split assumed
     planned_prompt_tokens: int = 0
@@ -135,7 +137,7 @@ class _Timing:
         rec.e2e = res.finished_at - self.sent
         rec.prompt_tokens, rec.cached_tokens = res.prompt_tokens, res.cached_tokens
         rec.completion_tokens, rec.finish_reason = res.completion_tokens, res.finish_reason
-        rec.queue = res.queue_seconds
+        rec.queue, rec.server_ttft, rec.tokenize = res.queue_seconds, res.server_ttft, res.tokenize_seconds
         if not self.times:
             return
         rec.ttft = self.times[0] - self.sent
@@ -292,14 +294,14 @@ class Runner:
             return turn
         used = s.context_tokens or system
         need = used + turn.prompt_tokens + turn.output_tokens
-        if need + self.target.margin(need) <= limit:
+        if need + self.target.margin(turn.prompt_tokens) <= limit:
             return turn
         if not first:
             self._stats["truncated"] += 1
             return None
         self._stats["clipped"] += 1
         output = min(turn.output_tokens, max(1, limit // 4))
-        room = limit - used - output - self.target.margin(limit)
+        room = limit - used - output - self.target.margin(limit - used - output)
         return replace(turn, prompt_tokens=max(1, room), output_tokens=output)
 
     async def _session(self, plan: SessionPlan) -> None:

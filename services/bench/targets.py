@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from services.client import Client, Finished, TextDelta
 from services.errors import Internal, InvalidArgument, TokenrelayError, Unavailable
 from services.grpc_util import insecure_channel
@@ -39,6 +41,8 @@ class TurnResult:
     queue_seconds: float | None     # None where the target does not measure it (engine)
     context_tokens: int             # the conversation's length after this turn
     finished_at: float = field(default_factory=time.monotonic)  # when the final message arrived
+    server_ttft: float | None = None    # the mesh's own view: request received -> first token sent
+    tokenize_seconds: float | None = None
 
 
 class TargetSession(ABC):
@@ -66,8 +70,8 @@ class Target(ABC):
     async def close(self) -> None:
         return None
 
-    def margin(self, tokens: int) -> int:
-        """Tokens to allow beyond the planned ones when fitting a turn into the context."""
+    def margin(self, new_tokens: int) -> int:
+        """Tokens to allow beyond a turn's planned new tokens when fitting it into the context."""
         return 0
 
     @abstractmethod
@@ -101,6 +105,10 @@ class MeshTarget(Target):
         self.chars_per_token = chars_per_token
         self.max_context = max_context
         self.synth: TextSynth | None = None
+        # Largest prompt growth seen beyond the planned new tokens (chat template, re-tokenized
+        # replies); a guess until the first turn has been measured.
+        self.overhead = 32
+        self._overhead_measured = False
 
     def client(self, tenant: str) -> Client:
         key = self._keys.get(tenant, self._default_key)
@@ -124,9 +132,14 @@ class MeshTarget(Target):
             await c.close()
         self._clients.clear()
 
-    def margin(self, tokens: int) -> int:
-        # Chat templates add tokens per message and text sizing is approximate.
-        return 24 + tokens // 6
+    def margin(self, new_tokens: int) -> int:
+        # The conversation so far is known exactly (the last `done`); the new text is sized from
+        # the calibration (a few % off), and the template and re-tokenized reply add the rest.
+        return self.overhead + 4 + new_tokens // 8
+
+    def note_overhead(self, tokens: int) -> None:
+        self.overhead = max(self.overhead, tokens) if self._overhead_measured else max(0, tokens)
+        self._overhead_measured = True
 
     def session(self, plan: SessionPlan, run_id: str, unique: bool) -> TargetSession:
         assert self.synth is not None, "start() first"
@@ -135,7 +148,7 @@ class MeshTarget(Target):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "address": self.address, "chat_api": self.chat_api,
-                "chars_per_token": round(self.chars_per_token, 3)}
+                "chars_per_token": round(self.chars_per_token, 3), "prompt_overhead_tokens": self.overhead}
 
 
 class _MeshSession(TargetSession):
@@ -143,7 +156,9 @@ class _MeshSession(TargetSession):
         self.t = target
         self.plan = plan
         self.session_id = session_id
-        self.rng = random.Random(plan.seed)
+        # With unique prompts the run id keeps a repeated run (same seed) from hitting the cache
+        # its predecessor filled; without, a rerun sends the very same text.
+        self.rng = random.Random(f"{session_id}:{plan.seed}" if unique else plan.seed)
         self.synth: TextSynth = target.synth  # type: ignore[assignment]
         self.client = target.client(plan.tenant)
         self.system = ""
@@ -158,10 +173,16 @@ class _MeshSession(TargetSession):
         tag, self._first_tag = self._first_tag, ""
         return tag + self.synth.text(tokens, self.rng)
 
+    def expect(self, turn: TurnPlan) -> None:
+        """Note the prompt size this turn would have without any template or tokenization effect."""
+        self._expected = (self.context_tokens or self.plan.system_tokens) + turn.prompt_tokens
+
     def result(self, f: Finished) -> TurnResult:
+        self.t.note_overhead(f.prompt_tokens - self._expected)
         self.context_tokens = f.prompt_tokens + f.completion_tokens
         return TurnResult(f.prompt_tokens, f.cached_tokens, f.completion_tokens, f.finish_reason,
-                          f.queue_seconds, self.context_tokens)
+                          f.queue_seconds, self.context_tokens, server_ttft=f.ttft_seconds,
+                          tokenize_seconds=f.tokenize_seconds)
 
 
 class _MeshGenerate(_MeshSession):
@@ -172,6 +193,7 @@ class _MeshGenerate(_MeshSession):
         self.messages: list[tuple[str, str]] = [("system", self.system)] if self.system else []
 
     async def turn(self, turn: TurnPlan, observe: Observer, timeout: float) -> TurnResult:
+        self.expect(turn)
         user = self.user_text(turn.prompt_tokens)
         chat = self.plan.kind == "chat"
         self.messages.append(("user", user))
@@ -212,6 +234,7 @@ class _MeshChat(_MeshSession):
         await self._cm.__aexit__(*exc)
 
     async def turn(self, turn: TurnPlan, observe: Observer, timeout: float) -> TurnResult:
+        self.expect(turn)
         async for event in self.chat.send(self.user_text(turn.prompt_tokens), max_tokens=turn.output_tokens,
                                           ignore_eos=True):
             if isinstance(event, TextDelta):
@@ -256,6 +279,7 @@ class EngineTarget(Target):
         self.max_context = max_context
         self.model = ""
         self._ids = itertools.count()
+        self._channel: grpc.aio.Channel | None = None
 
     async def start(self) -> None:
         self._channel = insecure_channel(self.address)
@@ -270,11 +294,13 @@ class EngineTarget(Target):
         self.max_context = self.max_context or load.max_context
 
     async def close(self) -> None:
-        await self.mux.close()
-        await self._channel.close()
+        if self._channel is not None:
+            await self.mux.close()
+            await self._channel.close()
+            self._channel = None
 
     def session(self, plan: SessionPlan, run_id: str, unique: bool) -> TargetSession:
-        return _EngineSession(self, plan, run_id)
+        return _EngineSession(self, plan, run_id, unique)
 
     def next_request_id(self, run_id: str) -> str:
         return f"{run_id}-{next(self._ids)}"
@@ -285,12 +311,13 @@ class EngineTarget(Target):
 
 
 class _EngineSession(TargetSession):
-    # Random ids never repeat a prefix across sessions, so `unique` needs no nonce here.
-    def __init__(self, target: EngineTarget, plan: SessionPlan, run_id: str) -> None:
+    # Random ids never repeat a prefix across sessions, so `unique` needs no nonce here; it only
+    # decides whether a rerun with the same seed sends the same ids again.
+    def __init__(self, target: EngineTarget, plan: SessionPlan, run_id: str, unique: bool) -> None:
         self.t = target
         self.plan = plan
         self.run_id = run_id
-        self.rng = random.Random(plan.seed)
+        self.rng = random.Random(f"{run_id}:{plan.seed}" if unique else plan.seed)
         self.conversation: list[int] = (target.ids.ids(plan.system_tokens, random.Random(_system_seed(plan)))
                                         if plan.system_tokens else [])
 

@@ -107,12 +107,13 @@ def parse_dist(spec: Any, where: str, base_dir: pathlib.Path | None = None) -> D
         path = path if path.is_absolute() or base_dir is None else base_dir / path
         name = s.pop("field", "prompt_tokens")
         s["values"] = [float(r[name]) for r in _read_jsonl(path) if name in r]
-    for key in ("values", "weights"):
-        if key in s:
-            s[key] = tuple(float(v) for v in s[key])
     try:
-        d = Dist(kind, **{k: float(v) if k not in ("values", "weights") else v for k, v in s.items()})
-    except TypeError as exc:
+        for key in ("values", "weights"):
+            if key in s:
+                s[key] = tuple(float(v) for v in s[key])
+        fields: dict[str, Any] = {k: v if k in ("values", "weights") else float(v) for k, v in s.items()}
+        d = Dist(kind, **fields)
+    except (TypeError, ValueError) as exc:
         raise WorkloadError(f"{where}: {exc}") from None
     if kind == "choice" and not d.values:
         raise WorkloadError(f"{where}: choice needs `values` (or a `file` with that field)")
@@ -229,8 +230,8 @@ def _parse_class(spec: Mapping[str, Any], base: pathlib.Path | None) -> RequestC
     if not name:
         raise WorkloadError("classes: every class needs a `name`")
     where = f"classes.{name}"
-    dists = {k: parse_dist(s.pop(k), f"{where}.{k}", base)
-             for k in ("turns", "prompt_tokens", "output_tokens", "think_time") if k in s}
+    dists: dict[str, Any] = {k: parse_dist(s.pop(k), f"{where}.{k}", base)
+                             for k in ("turns", "prompt_tokens", "output_tokens", "think_time") if k in s}
     kind = s.pop("kind", None) or ("chat" if dists.get("turns", Dist(value=1)).upper > 1 else "completion")
     if kind not in ("completion", "chat"):
         raise WorkloadError(f"{where}.kind: completion | chat, got {kind!r}")
@@ -367,7 +368,10 @@ def load_workload(name_or_path: str) -> Workload:
                                 f"{sorted(named)}")
         p = named[name_or_path]
     text = p.read_text()
-    data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise WorkloadError(f"{p}: {exc}") from None
     if not isinstance(data, Mapping):
         raise WorkloadError(f"{p}: expected a mapping at the top level")
     return parse_workload(data, name=p.stem, base_dir=p.parent)
