@@ -98,7 +98,7 @@ class Router:
         """Run one request; the metrics/trace/log boundary around `_generate`."""
         request_id = inp.request_id or uuid.uuid4().hex
         inp.request_id = request_id
-        metrics = RequestMetrics(tenant.name, inp.priority)
+        metrics = RequestMetrics(tenant.name, inp.priority or tenant.default_priority)
         with _tracer.start_as_current_span("tokenrelay.generate", attributes={
                 "tokenrelay.request_id": request_id, "tokenrelay.tenant": tenant.name}) as span:
             structlog.contextvars.bind_contextvars(request_id=request_id, tenant=tenant.name,

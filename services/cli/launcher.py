@@ -60,6 +60,7 @@ class Mesh:
         self.api_key = "trk-dev-" + secrets.token_urlsafe(24)
         self.router_address = ""
         self.addresses: dict[str, str] = {}
+        self.metrics: dict[str, str] = {}
         self.redis_url = options.redis_url
 
     # ------------------------------------------------------------------ processes
@@ -78,10 +79,12 @@ class Mesh:
 
     def _service(self, name: str, module: str, extra: list[str], port: int = 0) -> tuple[_Proc, pathlib.Path]:
         port_file = self.o.run_dir / f"{name}.port"
-        port_file.unlink(missing_ok=True)
+        metrics_file = self.o.run_dir / f"{name}.metrics-port"
+        for f in (port_file, metrics_file):
+            f.unlink(missing_ok=True)
         argv = [sys.executable, "-m", module, "--host", self.o.host, "--port", str(port),
                 "--port-file", str(port_file), "--log-format", "console", "--log-level", self.o.log_level,
-                *extra]
+                "--metrics-port", "0", "--metrics-port-file", str(metrics_file), *extra]
         return self._spawn(name, argv), port_file
 
     async def _wait_port(self, proc: _Proc, port_file: pathlib.Path) -> str:
@@ -142,6 +145,8 @@ class Mesh:
              "--tenants-file", str(self._write_tenants())], port=self.o.port)
         self.router_address = await self._wait_port(router, router_port)
         self.addresses = {"tokenizer": tok_addr, "engine": eng_addr, "router": self.router_address}
+        self.metrics = {name: f"http://{self.o.host}:{(self.o.run_dir / f'{name}.metrics-port').read_text().strip()}"
+                        "/metrics" for name in self.addresses}
         self._write_state()
         return self.router_address
 
@@ -153,7 +158,7 @@ class Mesh:
             json.dump({"router": self.router_address, "api_key": self.api_key, "pid": os.getpid(),
                        "model": str(self.o.model), "engine": self.o.engine, "redis_url": self.redis_url,
                        "tokenizers": [self.addresses["tokenizer"]], "engines": [self.addresses["engine"]],
-                       "run_dir": str(self.o.run_dir)}, f)
+                       "run_dir": str(self.o.run_dir), "metrics": self.metrics}, f)
         os.replace(tmp, self.o.state_file)
 
     def dead(self) -> _Proc | None:

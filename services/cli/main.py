@@ -38,6 +38,8 @@ async def _up(args: argparse.Namespace) -> int:
     try:
         address = await mesh.start()
         print(f"[tokenrelay] ready: router at {address} (state in {options.state_file})", file=sys.stderr)
+        for name, url in mesh.metrics.items():
+            print(f"[tokenrelay] metrics: {name:<9} {url}", file=sys.stderr)
         print("[tokenrelay] try:  tokenrelay generate 'Once upon a time'", file=sys.stderr)
         print(address, flush=True)
         while (dead := mesh.dead()) is None:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from tests.data import SHARED_DATA
+from tests.meshkit import start_mesh, stop_mesh
 from tests.tiny_model import build_model
 
 
@@ -23,48 +19,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     if stories.exists() and os.environ.get("TOKENRELAY_TEST_TINY") != "1":
         return stories
     return build_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-class RunningMesh:
-    def __init__(self, proc: subprocess.Popen[bytes], state: dict[str, object], log: pathlib.Path) -> None:
-        self.proc = proc
-        self.state = state
-        self.log = log
-
-    @property
-    def address(self) -> str:
-        return str(self.state["router"])
-
-    @property
-    def api_key(self) -> str:
-        return str(self.state["api_key"])
-
-
-def start_mesh(tmp: pathlib.Path, model: pathlib.Path, engine: str, *extra: str,
-               timeout: float = 240) -> RunningMesh:
-    state_file = tmp / "state.json"
-    log = tmp / "up.log"
-    argv = [sys.executable, "-m", "services.cli.main", "up", "--model", str(model), "--engine", engine,
-            "--port", "0", "--state-file", str(state_file), "--run-dir", str(tmp / "run"), *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
-    deadline = time.monotonic() + timeout
-    while not state_file.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"tokenrelay up exited {proc.returncode}:\n{log.read_text()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"mesh not ready in {timeout}s:\n{log.read_text()}")
-        time.sleep(0.05)
-    return RunningMesh(proc, json.loads(state_file.read_text()), log)
-
-
-def stop_mesh(mesh: RunningMesh) -> int:
-    mesh.proc.send_signal(signal.SIGINT)
-    try:
-        return mesh.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        mesh.proc.kill()
-        raise
 
 
 @pytest.fixture(scope="module")
