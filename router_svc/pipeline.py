@@ -76,11 +76,13 @@ class Router:
     def in_flight(self) -> int:
         return len(self._live)
 
-    async def prompt_ids(self, inp: GenerateInput, timeout: float | None) -> list[int]:
+    async def prompt_ids(self, tenant: Tenant, inp: GenerateInput, timeout: float | None) -> list[int]:
         if inp.token_ids is not None:
             return list(inp.token_ids)
         if inp.messages is not None:
-            return await self.tokenizer.tokenize(messages=inp.messages, timeout=timeout)
+            # Scoped by tenant: one tenant's session id can never reach another's cached prefix.
+            key = f"{tenant.name}/{inp.session_id}" if inp.session_id else ""
+            return await self.tokenizer.tokenize(messages=inp.messages, timeout=timeout, cache_key=key)
         return await self.tokenizer.tokenize(text=inp.prompt, timeout=timeout)
 
     def cancel(self, tenant: Tenant, request_id: str) -> bool:
@@ -134,7 +136,7 @@ class Router:
             raise InvalidArgument(f"request id {request_id!r} is already in flight", "DUPLICATE_REQUEST_ID")
         remaining = (deadline - time.monotonic()) if deadline else self.request_timeout
         with _tracer.start_as_current_span("tokenize"):
-            ids = await self.prompt_ids(inp, remaining)
+            ids = await self.prompt_ids(tenant, inp, remaining)
         t_tok = time.monotonic()
         check_lengths(ids, inp.sampling, tenant, self._max_context())
         live = self._live[request_id] = _Live(tenant.name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,14 +118,17 @@ class TokenizerUpstream:
         return self.meta
 
     async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
-                       timeout: float | None = None) -> list[int]:
+                       timeout: float | None = None, cache_key: str = "") -> list[int]:
+        """Ids of a text or a chat. With `cache_key` (a chat session) every call goes to the same
+        replica, whose prefix cache then tokenizes only the new part of each turn."""
         if messages is not None:
             item = tokenizer_pb2.TokenizeInput(chat=tokenizer_pb2.ChatMessages(
                 messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                add_generation_prompt=True))
+                add_generation_prompt=True, cache_key=cache_key))
         else:
             item = tokenizer_pb2.TokenizeInput(text=text or "", add_special_tokens=True)
-        stub = self._stubs[next(self._rr)]
+        index = zlib.crc32(cache_key.encode()) % len(self._stubs) if cache_key else next(self._rr)
+        stub = self._stubs[index]
         try:
             resp = await stub.Tokenize(tokenizer_pb2.TokenizeRequest(inputs=[item]),
                                        timeout=min(filter(None, (timeout, self._timeout))),

@@ -8,6 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class RunningMesh:
@@ -50,3 +53,10 @@ def stop_mesh(mesh: RunningMesh) -> int:
     except subprocess.TimeoutExpired:
         mesh.proc.kill()
         raise
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Samples of a /metrics page keyed by (name, labels)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -27,6 +27,8 @@ class TokenizerSettings:
     max_input_bytes: int = setting(4 << 20, "largest input in UTF-8 bytes (INPUT_TOO_LARGE beyond)")
     max_input_tokens: int = setting(0, "most tokens per input (PROMPT_TOO_LONG beyond); 0 = the model's "
                                        "context length when known, else no limit; -1 = no limit")
+    chat_cache_tokens: int = setting(20_000_000, "token budget of the per-session chat prefix cache "
+                                     "(incremental chat tokenization); 0 = off")
     detok_workers: int = setting(1, "threads that run large Detokenize batches off the event loop")
     max_stream_requests: int = setting(10_000, "most requests open at once on one Detokenize stream")
     metrics_port: int = setting(-1, "Prometheus /metrics port (0 = ephemeral, -1 = off)")

@@ -25,6 +25,7 @@ from services.errors import InvalidArgument, TokenrelayError
 from services.tracing import tracer
 from tokenizer_svc import metrics
 from tokenizer_svc.batcher import Batcher
+from tokenizer_svc.chat_cache import ChatPrefixCache, Plan
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.loader import LoadedTokenizer
 
@@ -41,6 +42,9 @@ class TextInput:
 class ChatInput:
     messages: Sequence[Mapping[str, str]]
     add_generation_prompt: bool = True
+    # Opaque session key: when set, a turn that extends the previous one under this key only
+    # tokenizes what changed (chat_cache.py proves the result equals a full tokenization).
+    cache_key: str = ""
 
 
 EncodeInput = TextInput | ChatInput
@@ -67,10 +71,11 @@ class Encoder:
     """The Tokenize use case; owns the batcher (start/close)."""
 
     def __init__(self, tokenizer: LoadedTokenizer, template: ChatTemplate | None, limits: EncoderLimits,
-                 *, workers: int) -> None:
+                 *, workers: int, chat_cache_tokens: int = 20_000_000) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.limits = limits
+        self.chat_cache = ChatPrefixCache(tokenizer.tokenizer, chat_cache_tokens) if chat_cache_tokens > 0 else None
         self.batcher: Batcher[_Call, Any] = Batcher(
             self._encode_jobs, workers=workers, max_batch=limits.max_batch,
             max_pending=max(limits.max_pending, limits.max_batch), name="tokenize")
@@ -125,22 +130,29 @@ class Encoder:
 
     # ------------------------------------------------------------------ worker thread
     def _encode_jobs(self, calls: list[_Call]) -> list[Any]:
-        """Render and encode every call's inputs in (at most two) encode_batch calls."""
+        """Render and encode every call's inputs in (at most three) encode_batch calls."""
         texts: dict[bool, list[str]] = {True: [], False: []}
-        slots: list[list[tuple[bool, int]] | BaseException] = []
+        plans: list[Plan] = []
+        slots: list[list[tuple[bool | None, int]] | BaseException] = []
         for call in calls:
             try:
                 rendered = [self._text_of(item) for item in call.inputs]
             except InvalidArgument as exc:
                 slots.append(exc)
                 continue
-            call_slots = []
-            for text, special in rendered:
+            call_slots: list[tuple[bool | None, int]] = []
+            for item, (text, special) in zip(call.inputs, rendered, strict=True):
+                if self.chat_cache is not None and isinstance(item, ChatInput) and item.cache_key:
+                    call_slots.append((None, len(plans)))
+                    plans.append(self.chat_cache.plan(item.cache_key, text))
+                    continue
                 call_slots.append((special, len(texts[special])))
                 texts[special].append(text)
             slots.append(call_slots)
-        encoded = {special: self._encode(batch, special) for special, batch in texts.items()}
-        metrics.BATCH_INPUTS.observe(len(texts[True]) + len(texts[False]))
+        encoded: dict[bool | None, list[list[int]]] = {
+            special: self._encode(batch, special) for special, batch in texts.items()}
+        encoded[None] = self._encode_incremental(plans)
+        metrics.BATCH_INPUTS.observe(len(texts[True]) + len(texts[False]) + len(plans))
         results: list[Any] = []
         for call, slot in zip(calls, slots, strict=True):
             if isinstance(slot, BaseException):
@@ -159,6 +171,26 @@ class Encoder:
         # encode_batch releases the GIL and spreads the inputs over the tokenizers' own thread pool.
         batch = self.tokenizer.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in batch]
+
+    def _encode_incremental(self, plans: list[Plan]) -> list[list[int]]:
+        if not plans:
+            return []
+        assert self.chat_cache is not None
+        # Offsets are needed here (to find added tokens' positions), so not the _fast variant.
+        batch = self.tokenizer.tokenizer.encode_batch([p.suffix for p in plans], add_special_tokens=False)
+        out = []
+        for plan, encoding in zip(plans, batch, strict=True):
+            ids = self.chat_cache.complete(plan, encoding)
+            if ids is None:  # the boundary guard failed: tokenize the whole text (still cached)
+                metrics.CHAT_CACHE_FALLBACKS.inc()
+                whole = Plan(plan.key, plan.text, plan.prefix[:0], 0, None, [])
+                ids = self.chat_cache.complete(
+                    whole, self.tokenizer.tokenizer.encode(plan.text, add_special_tokens=False))
+                assert ids is not None
+            else:
+                metrics.CHAT_REUSED_TOKENS.inc(len(plan.prefix))
+            out.append(ids)
+        return out
 
     def _text_of(self, item: EncodeInput) -> tuple[str, bool]:
         if isinstance(item, ChatInput):

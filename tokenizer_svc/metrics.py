@@ -7,6 +7,8 @@
 | `tokenize_tokens_total` | counter | | ids produced |
 | `tokenize_rejections_total` | counter | `reason` | refused calls (EMPTY_INPUT, PROMPT_TOO_LONG, OVERLOADED, ...) |
 | `tokenize_batch_inputs` | histogram | | inputs per encode_batch run (how much batching happens) |
+| `chat_reused_tokens_total` | counter | | chat tokens reused from the session's previous turn instead of re-tokenized |
+| `chat_cache_fallbacks_total` | counter | | incremental chat tokenizations that fell back to the whole text |
 | `tokenize_pending_inputs` | gauge | | inputs queued or running (read at scrape time) |
 | `detok_streams` | gauge | | open Detokenize streams (read at scrape time) |
 | `detok_open_requests` | gauge | | requests open on them (read at scrape time) |
@@ -41,6 +43,10 @@ TEXT_INPUTS = _INPUTS.labels("text")
 CHAT_INPUTS = _INPUTS.labels("chat")
 TOKENS = Counter(_P + "tokenize_tokens_total", "Token ids produced by Tokenize")
 _REJECTIONS = Counter(_P + "tokenize_rejections_total", "Tokenize calls refused, by reason", ["reason"])
+CHAT_REUSED_TOKENS = Counter("tokenrelay_tokenizer_chat_reused_tokens_total",
+                             "Chat tokens reused from the previous turn instead of re-tokenized")
+CHAT_CACHE_FALLBACKS = Counter("tokenrelay_tokenizer_chat_cache_fallbacks_total",
+                               "Incremental chat tokenizations that fell back to the whole text")
 BATCH_INPUTS = Histogram(_P + "tokenize_batch_inputs", "Inputs per encode_batch run", buckets=BATCH_BUCKETS)
 DETOK_TOKENS = Counter(_P + "detok_tokens_total", "Generated tokens detokenized")
 _DETOK_REQUESTS = Counter(_P + "detok_requests_total", "Detokenize requests that ended, by outcome "

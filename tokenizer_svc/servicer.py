@@ -50,7 +50,7 @@ def _input(item: tokenizer_pb2.TokenizeInput) -> EncodeInput | None:
         return TextInput(item.text, item.add_special_tokens)
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in item.chat.messages]
-        return ChatInput(messages, item.chat.add_generation_prompt)
+        return ChatInput(messages, item.chat.add_generation_prompt, item.chat.cache_key)
     return None   # the encoder rejects it as EMPTY_INPUT
 
 

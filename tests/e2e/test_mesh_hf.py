@@ -13,6 +13,7 @@ from services.client import Accepted, Client, Finished, TextDelta
 from services.errors import InvalidArgument, ResourceExhausted, Unauthenticated
 from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
+from tests.meshkit import scrape
 
 PROMPT = "Once upon a time, there was a little"
 
@@ -149,7 +150,9 @@ async def test_tenant_concurrency_limit(hf_mesh):
         assert (await client.generate(PROMPT, max_tokens=2)).finished.completion_tokens >= 1
 
 
-async def test_chat_two_turns_sticky(hf_mesh):
+async def test_chat_two_turns_sticky(hf_mesh, model_dir):
+    reused = ("tokenrelay_tokenizer_chat_reused_tokens_total", frozenset())
+    before = scrape(hf_mesh.state["metrics"]["tokenizer"]).get(reused, 0.0)
     async with Client(hf_mesh.address, hf_mesh.api_key) as client, client.chat(system="You are brief.") as chat:
         assert chat.session_id
         first = await chat.say("Tell me a story.", max_tokens=8, ignore_eos=True)
@@ -157,3 +160,15 @@ async def test_chat_two_turns_sticky(hf_mesh):
     assert first.finished.completion_tokens == 8 == second.finished.completion_tokens
     # the second turn's prompt contains the first turn and its answer
     assert second.finished.prompt_tokens > first.finished.prompt_tokens + 8
+    # ... and only its new part was tokenized: the first turn's tokens came from the session cache.
+    # That needs the template's turn markers to be added tokens (forced boundaries); stories260K's
+    # tokenizer has none, so there the whole conversation is (correctly) tokenized again.
+    from tokenizers import Tokenizer
+
+    added = {t.content for t in Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+             .get_added_tokens_decoder().values()}
+    after = scrape(hf_mesh.state["metrics"]["tokenizer"]).get(reused, 0.0)
+    if "<|im_start|>" in added:
+        assert after - before >= first.finished.prompt_tokens // 2
+    else:
+        assert after == before

@@ -9,13 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.client import Client
-from tests.meshkit import start_mesh, stop_mesh
+from tests.meshkit import scrape, start_mesh, stop_mesh
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +27,6 @@ def traced_mesh(tmp_path_factory, model_dir):
         del os.environ["TOKENRELAY_TRACE_FILE"]
     yield mesh, trace_file
     assert stop_mesh(mesh) == 0
-
-
-def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def _root(trace_file, request_id: str) -> dict | None:
@@ -79,12 +71,12 @@ async def test_metrics_count_the_traffic(traced_mesh):
     mesh, _ = traced_mesh
     urls = mesh.state["metrics"]
     label = {"tenant": "dev", "priority": "normal"}  # the tenant's default class
-    before = _scrape(urls["router"])
+    before = scrape(urls["router"])
     n = 5
     async with Client(mesh.address, mesh.api_key) as client:
         for _ in range(n):
             await client.generate("Once upon a time", max_tokens=6, ignore_eos=True)
-    after = _scrape(urls["router"])
+    after = scrape(urls["router"])
 
     def delta(name: str, **labels: str) -> float:
         key = (name, frozenset(labels.items()))
@@ -96,7 +88,7 @@ async def test_metrics_count_the_traffic(traced_mesh):
     assert delta("tokenrelay_router_requests_total", **label, outcome="ok", reason="LENGTH") == n
     assert delta("tokenrelay_router_tokens_total", tenant="dev", kind="completion") == 6 * n
     assert delta("tokenrelay_router_inter_token_seconds_count", **label) >= 1
-    engine = _scrape(urls["engine"])
+    engine = scrape(urls["engine"])
     assert engine[("tokenrelay_engine_generated_tokens_total", frozenset())] >= 6 * n
-    tokenizer = _scrape(urls["tokenizer"])
+    tokenizer = scrape(urls["tokenizer"])
     assert any(name.startswith("tokenrelay_tokenizer_") for name, _ in tokenizer)
