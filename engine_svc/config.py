@@ -47,6 +47,8 @@ class EngineSettings:
     hf_block_size: int = setting(_HF.block_size, "hf: tokens per KV block (page)")
     hf_max_batch_tokens: int = setting(_HF.max_batch_tokens, "hf: tokens per forward pass")
     hf_max_batch_size: int = setting(_HF.max_batch_size, "hf: requests per forward pass")
+    hf_random_weights: bool = setting(False, "hf: build the model from config.json with random weights "
+                                             "(capacity tests of a model shape; outputs are noise)")
     hf_sampling: bool = setting(_HF.sampling, "hf: allow temperature > 0 (per-request temperature, "
                                               "top_p, top_k); off = a greedy-only engine")
 

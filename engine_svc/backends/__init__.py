@@ -48,7 +48,7 @@ def _hf(s: EngineSettings) -> Backend:
         model=s.model, device=s.hf_device, dtype=s.hf_dtype, threads=s.hf_threads,
         num_blocks=s.hf_num_blocks, block_size=s.hf_block_size,
         max_batch_tokens=s.hf_max_batch_tokens, max_batch_size=s.hf_max_batch_size,
-        sampling=s.hf_sampling))
+        sampling=s.hf_sampling, random_weights=s.hf_random_weights))
 
 
 BACKENDS: dict[str, Callable[[EngineSettings], Backend]] = {"sim": _sim, "hf": _hf}

@@ -53,6 +53,7 @@ class HfConfig:
     max_batch_tokens: int = 512
     max_batch_size: int = 32
     sampling: bool = True
+    random_weights: bool = False
 
 
 class _HfRequest:
@@ -95,7 +96,15 @@ class HfBackend(Backend):
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         dtype = cfg.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation="sdpa", dtype=dtype)
+        if cfg.random_weights:
+            # Capacity tests of a model shape without its weights (config.json only).
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(cfg.model)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation="sdpa", dtype=dtype)
         model = model.to(torch.device(cfg.device)).eval()  # type: ignore[arg-type]
         text_config = model.config.get_text_config()
         self.max_context = int(text_config.max_position_embeddings)

@@ -137,7 +137,7 @@ class Mesh:
                                       ["--tokenizer", str(self.o.model), *self.o.tokenizer_args])
         eng, eng_port = self._service("engine", "engine_svc",
                                       ["--backend", self.o.engine, "--model", str(self.o.model),
-                                       *sim_args_for(self.o.model, self.o.engine), *self.o.engine_args])
+                                       *engine_args_for(self.o.model, self.o.engine), *self.o.engine_args])
         tok_addr, eng_addr = await asyncio.gather(self._wait_port(tok, tok_port), self._wait_port(eng, eng_port))
         router, router_port = self._service(
             "router", "router_svc",
@@ -182,8 +182,11 @@ class Mesh:
         self.procs.clear()
 
 
-def sim_args_for(model: pathlib.Path, engine: str) -> list[str]:
-    """The simulated engine must emit ids the model's tokenizer can decode, within its context."""
+def engine_args_for(model: pathlib.Path, engine: str) -> list[str]:
+    """Engine flags that follow from the model: the checkpoint's dtype for `hf` (bf16 checkpoints run
+    faster in bf16 on CPUs with bf16 support); for `sim`, ids the tokenizer can decode, within the context."""
+    if engine == "hf":
+        return ["--hf-dtype", "auto"]
     if engine != "sim":
         return []
     from tokenizers import Tokenizer
