@@ -120,7 +120,9 @@ def _event(msg: Any) -> Event | None:
 
 
 async def collect(events: AsyncIterator[Event]) -> Completion:
-    request_id, text, ids, deltas = "", [], [], 0
+    request_id, deltas = "", 0
+    text: list[str] = []
+    ids: list[int] = []
     async for event in events:
         if isinstance(event, Accepted):
             request_id = event.request_id

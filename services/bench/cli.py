@@ -10,11 +10,14 @@ The lead wires it in with ``add_bench_parser(subparsers)`` and ``asyncio.run(run
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import pathlib
+import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -36,7 +39,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "throughput, errors and goodput. Every run is bounded by --duration and/or --requests.")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="chat-multiturn",
-                   help="a name from bench/workloads/ (see --list-workloads), a YAML/JSON file, or a JSONL trace")
+                   help="a named workload (see --list-workloads), a YAML/JSON file, or a JSONL trace")
     w.add_argument("--list-workloads", action="store_true", help="list the named workloads and exit")
     w.add_argument("--duration", type=float, default=None, help="seconds to keep issuing requests")
     w.add_argument("--requests", type=int, default=None, help="requests to issue (chat turns count one each)")
@@ -145,8 +148,12 @@ def _keys(args: argparse.Namespace, state: _State) -> tuple[dict[str, str], str]
             keys[name] = key
         else:
             default = item
-    if not default and not keys:
-        default = state.get("api_key", "API key")
+    if not default:
+        try:
+            default = state.get("api_key", "API key")
+        except BenchUsageError:
+            if not keys:
+                raise  # no key at all: say where one comes from
     return keys, default
 
 
@@ -204,15 +211,38 @@ async def _mesh_context(args: argparse.Namespace, state: _State, target: MeshTar
         await probe.close()
 
 
+@contextlib.contextmanager
+def _first_ctrl_c_stops(runner: Runner) -> Iterator[None]:
+    """Ctrl-C once: stop issuing, drain and still report; twice: abort as usual."""
+    loop = asyncio.get_running_loop()
+
+    def interrupted() -> None:
+        loop.remove_signal_handler(signal.SIGINT)  # restores KeyboardInterrupt for a second Ctrl-C
+        print("\nbench: interrupted: draining in-flight requests (Ctrl-C again to abort)", file=sys.stderr)
+        runner.stop("interrupted")
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, interrupted)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
 async def _run_one(name: str, target: Target, w: Workload, cfg: RunConfig, progress: bool) -> RunResult:
     try:
         await target.start()
         runner = Runner(target, w, cfg)
-        bar = Progress(runner, label=name, total=cfg.requests, duration=cfg.duration) if progress else None
+        total = cfg.requests or (sum(len(v) for v in cfg.replay.values()) if cfg.replay else None)
+        bar = Progress(runner, label=name, total=total, duration=cfg.duration) if progress else None
         if bar:
             bar.start()
         try:
-            return await runner.run()
+            with _first_ctrl_c_stops(runner):
+                return await runner.run()
         finally:
             if bar:
                 await bar.close()
@@ -262,12 +292,16 @@ async def run_bench(args: argparse.Namespace) -> int:
     results: dict[str, RunResult] = {}
     for name, target in targets.items():
         if name == "engine" and "mesh" in results:
-            cfg = replace(cfg, replay=records_by_session(results["mesh"].records))
+            # The replay itself bounds the run: exactly the requests the mesh sent.
+            cfg = replace(cfg, replay=records_by_session(results["mesh"].records), duration=None, requests=None)
         try:
             results[name] = await _run_one(name, target, w, cfg, not args.no_progress)
         except TokenrelayError as exc:
             _err(f"{name}: could not start: {exc}")
             return 1
+    for name, res in results.items():
+        for error in res.client_errors:
+            _err(f"{name}: unexpected client-side error (counted as UNKNOWN): {error}")
     # Baseline first in every table: the engine alone, then the mesh.
     results = dict(sorted(results.items(), key=lambda kv: kv[0] != "engine"))
     reports = {name: build_report(res, slo) for name, res in results.items()}
@@ -279,8 +313,6 @@ async def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import asyncio
-
     parser = argparse.ArgumentParser(prog="tokenrelay")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])

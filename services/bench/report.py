@@ -100,7 +100,7 @@ def build_report(result: RunResult, slo: Slo = Slo()) -> dict[str, Any]:
         "workload": result.workload, "target": result.target, "mode": result.mode, "seed": result.seed,
         "wall_seconds": result.wall, "stopped_by": result.stopped_by, "sessions": result.sessions,
         "truncated_sessions": result.truncated_sessions, "clipped_requests": result.clipped_requests,
-        "dropped_sessions": result.dropped_sessions,
+        "dropped_sessions": result.dropped_sessions, "client_errors": result.client_errors,
         "slo": {k: v for k, v in asdict(slo).items() if v is not None},
         "summary": group_stats(recs, result.wall, slo),
         "by_tenant": _grouped(recs, lambda r: r.tenant, result.wall, slo),
@@ -188,23 +188,23 @@ def format_report(report: Mapping[str, Any]) -> str:
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-_COMPARE_ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], float | None], str], ...] = (
-    ("TTFT p50 (ms)", lambda s: s["ttft"] and s["ttft"]["p50"] * 1000, "ms"),
-    ("TTFT p95 (ms)", lambda s: s["ttft"] and s["ttft"]["p95"] * 1000, "ms"),
-    ("TTFT p99 (ms)", lambda s: s["ttft"] and s["ttft"]["p99"] * 1000, "ms"),
-    ("server TTFT p50 (ms)", lambda s: s["server_ttft"] and s["server_ttft"]["p50"] * 1000, "ms"),
-    ("server TTFT p99 (ms)", lambda s: s["server_ttft"] and s["server_ttft"]["p99"] * 1000, "ms"),
-    ("ITL p50 (ms)", lambda s: s["itl"] and s["itl"]["p50"] * 1000, "ms"),
-    ("ITL p95 (ms)", lambda s: s["itl"] and s["itl"]["p95"] * 1000, "ms"),
-    ("ITL p99 (ms)", lambda s: s["itl"] and s["itl"]["p99"] * 1000, "ms"),
-    ("E2E p50 (ms)", lambda s: s["e2e"] and s["e2e"]["p50"] * 1000, "ms"),
-    ("E2E p99 (ms)", lambda s: s["e2e"] and s["e2e"]["p99"] * 1000, "ms"),
-    ("output tok/s", lambda s: s["throughput"]["output_tokens_per_s"], ""),
-    ("requests/s", lambda s: s["throughput"]["requests_per_s"], ""),
-    ("prompt tok (mean)", lambda s: s["tokens"]["prompt_mean"], ""),
-    ("cached share (%)", lambda s: s["tokens"]["cached_share"] * 100, ""),
-    ("errors", lambda s: s["errors"], ""),
-    ("goodput (%)", lambda s: s["goodput"]["share"] * 100 if "goodput" in s else None, ""),
+_COMPARE_ROWS: tuple[tuple[str, Callable[[Mapping[str, Any]], float | None]], ...] = (
+    ("TTFT p50 (ms)", lambda s: s["ttft"] and s["ttft"]["p50"] * 1000),
+    ("TTFT p95 (ms)", lambda s: s["ttft"] and s["ttft"]["p95"] * 1000),
+    ("TTFT p99 (ms)", lambda s: s["ttft"] and s["ttft"]["p99"] * 1000),
+    ("server TTFT p50 (ms)", lambda s: s["server_ttft"] and s["server_ttft"]["p50"] * 1000),
+    ("server TTFT p99 (ms)", lambda s: s["server_ttft"] and s["server_ttft"]["p99"] * 1000),
+    ("ITL p50 (ms)", lambda s: s["itl"] and s["itl"]["p50"] * 1000),
+    ("ITL p95 (ms)", lambda s: s["itl"] and s["itl"]["p95"] * 1000),
+    ("ITL p99 (ms)", lambda s: s["itl"] and s["itl"]["p99"] * 1000),
+    ("E2E p50 (ms)", lambda s: s["e2e"] and s["e2e"]["p50"] * 1000),
+    ("E2E p99 (ms)", lambda s: s["e2e"] and s["e2e"]["p99"] * 1000),
+    ("output tok/s", lambda s: s["throughput"]["output_tokens_per_s"]),
+    ("requests/s", lambda s: s["throughput"]["requests_per_s"]),
+    ("prompt tok (mean)", lambda s: s["tokens"]["prompt_mean"]),
+    ("cached share (%)", lambda s: s["tokens"]["cached_share"] * 100),
+    ("errors", lambda s: s["errors"]),
+    ("goodput (%)", lambda s: s["goodput"]["share"] * 100 if "goodput" in s else None),
 )
 
 
@@ -219,7 +219,7 @@ def _num(v: float | None) -> str:
 def comparison_rows(reports: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
     names = list(reports)
     rows = []
-    for label, get, _ in _COMPARE_ROWS:
+    for label, get in _COMPARE_ROWS:
         values = [get(reports[n]["summary"]) for n in names]
         row = [label, *(_num(v) for v in values)]
         if len(values) == 2:

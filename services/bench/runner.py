@@ -16,7 +16,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -91,6 +91,7 @@ class RunResult:
     clipped_requests: int = 0           # first turns shortened to fit the context
     dropped_sessions: int = 0           # open-loop arrivals over --max-sessions (client-side limit)
     stopped_by: str = ""
+    client_errors: list[str] = field(default_factory=list)  # unexpected exceptions in the bench itself
 
 
 def records_by_session(records: Sequence[RequestRecord]) -> dict[int, list[RequestRecord]]:
@@ -169,6 +170,7 @@ class Runner:
         self.in_flight = 0
         self.ok = 0
         self.errors = 0
+        self.client_errors: list[str] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._stopped_by = ""
@@ -206,19 +208,20 @@ class Runner:
             seed=self.sampler.seed, records=self.records, wall=max(ends, default=self.elapsed),
             sessions=self._stats["sessions"], truncated_sessions=self._stats["truncated"],
             clipped_requests=self._stats["clipped"], dropped_sessions=self._stats["dropped"],
-            stopped_by=self._stopped_by)
+            stopped_by=self._stopped_by, client_errors=self.client_errors)
 
     # --------------------------------------------------------------- dispatch
     async def _dispatch(self) -> None:
         """Start sessions until a bound stops the run or the workload runs out."""
         spec = self.workload.arrival
-        sessions = iter(self.sampler)
         if spec.mode == "closed":
+            sessions = self._replayed((None, p) for p in self.sampler)
+            plans = (plan for _, plan in sessions)
             for _ in range(spec.concurrency):
-                self._spawn(self._worker(sessions))
+                self._spawn(self._worker(plans))
             return
-        for at, plan in self._arrivals(sessions):
-            if not await self._wait_until(at):
+        for at, plan in self._replayed(self._arrivals(iter(self.sampler))):
+            if not await self._wait_until(at or 0.0):
                 return
             if len(self._tasks) >= self.cfg.max_sessions:
                 self._stats["dropped"] += 1
@@ -228,6 +231,24 @@ class Runner:
             # Arrivals end at the horizon; running chats keep going until the duration is up.
             await self._wait_until(self.cfg.duration)
 
+    def _replayed(self, arrivals: Iterable[tuple[float | None, SessionPlan]]
+                  ) -> Iterator[tuple[float | None, SessionPlan]]:
+        """With a replay, only the sessions the earlier run sent, as it sent them, then the end.
+
+        Sessions it never started keep their arrival slot (so arrival times stay aligned) but
+        are skipped, which makes both runs issue exactly the same requests.
+        """
+        replay = self.cfg.replay
+        if replay is None:
+            yield from arrivals
+            return
+        left = set(replay)
+        for at, plan in arrivals:
+            if not left:
+                return
+            if plan.index in left:
+                left.discard(plan.index)
+                yield at, matched_plan(plan, replay[plan.index])
     async def _settle(self) -> None:
         """Let running sessions end by themselves unless a bound stops the run first."""
         waiter = asyncio.ensure_future(self._stop.wait())
@@ -236,9 +257,9 @@ class Runner:
                 await asyncio.wait([*self._tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
-        self.stop("workload exhausted")
+        self.stop("replay complete" if self.cfg.replay is not None else "workload exhausted")
 
-    def _arrivals(self, sessions: Iterator[SessionPlan]) -> Iterator[tuple[float, SessionPlan]]:
+    def _arrivals(self, sessions: Iterator[SessionPlan]) -> Iterator[tuple[float | None, SessionPlan]]:
         spec = self.workload.arrival
         if spec.mode == "trace":
             for plan in sessions:
@@ -308,8 +329,6 @@ class Runner:
         if not self._take_ticket():
             return
         self._stats["sessions"] += 1
-        if self.cfg.replay is not None and plan.index in self.cfg.replay:
-            plan = matched_plan(plan, self.cfg.replay[plan.index])
         cm = self.target.session(plan, self.run_id, self.unique)
         try:
             s = await cm.__aenter__()
@@ -318,10 +337,13 @@ class Runner:
             return
         try:
             for i, planned in enumerate(plan.turns):
-                if i and not (await self._pause(planned) and self._take_ticket()):
+                if i and not await self._pause(planned):
                     return
                 turn = self._fit(s, planned, i == 0, plan.system_tokens)
-                if turn is None or not await self._request(s, plan, i, turn):
+                # The first turn's ticket was taken before opening the session.
+                if turn is None or (i and not self._take_ticket()):
+                    return
+                if not await self._request(s, plan, i, turn):
                     return
         finally:
             with contextlib.suppress(TokenrelayError):
@@ -363,6 +385,8 @@ class Runner:
             raise
         except Exception as exc:  # noqa: BLE001 - one broken request must not end the whole run
             self._record_failure(rec, "UNKNOWN", f"CLIENT_{type(exc).__name__.upper()}")
+            if len(self.client_errors) < 3:  # kept for the report: a bench bug must not hide as a count
+                self.client_errors.append(repr(exc))
             return False
         finally:
             self.in_flight -= 1

@@ -1,4 +1,4 @@
-"""Workloads as data: spec dataclasses, YAML/JSON/JSONL loading, and seeded sampling of sessions.
+"""Workloads as data: YAML/JSON loading, the named workloads, and seeded sampling of sessions.
 
 A workload is a mix of *request classes* (a one-shot completion, a multi-turn chat, a long
 document, ...) sent by weighted *tenants* in priority classes, with arrivals described by an
@@ -30,64 +30,31 @@ import os
 import pathlib
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import yaml
 
-PRIORITY_NAMES = ("", "low", "normal", "high")
-_REPO_WORKLOADS = pathlib.Path(__file__).resolve().parents[2] / "bench" / "workloads"
+from .spec import (
+    PRIORITY_NAMES,
+    ArrivalSpec,
+    Burst,
+    Dist,
+    RequestClass,
+    SessionPlan,
+    TenantSpec,
+    TurnPlan,
+    Workload,
+    WorkloadError,
+)
+from .trace import load_trace, read_jsonl, trace_sessions
 
+__all__ = ["PRIORITY_NAMES", "ArrivalSpec", "Burst", "Dist", "RequestClass", "SessionPlan", "SessionSampler",
+           "TenantSpec", "TurnPlan", "Workload", "WorkloadError", "available_workloads", "load_trace",
+           "load_workload", "parse_dist", "parse_workload", "trace_sessions"]
 
-class WorkloadError(ValueError):
-    """A workload file or spec is malformed (the message names the field)."""
-
-
-@dataclass(frozen=True)
-class Dist:
-    """A distribution of non-negative numbers, clamped to [min, max].
-
-    kinds: constant (value), uniform (min..max), lognormal (median, sigma of the log),
-    normal (mean, sigma), exponential (mean), choice (values, optional weights; or ``file`` +
-    ``field``: the values of that field in a JSONL trace, i.e. lengths sampled from a trace).
-    """
-
-    kind: str = "constant"
-    value: float = 0.0
-    min: float = 0.0
-    max: float = math.inf
-    median: float = 1.0
-    mean: float = 1.0
-    sigma: float = 0.0
-    values: tuple[float, ...] = ()
-    weights: tuple[float, ...] = ()
-
-    def sample(self, rng: random.Random) -> float:
-        if self.kind == "constant":
-            x = self.value
-        elif self.kind == "uniform":
-            x = rng.uniform(self.min, self.max)
-        elif self.kind == "lognormal":
-            x = rng.lognormvariate(math.log(self.median), self.sigma)
-        elif self.kind == "normal":
-            x = rng.gauss(self.mean, self.sigma)
-        elif self.kind == "exponential":
-            x = rng.expovariate(1.0 / self.mean) if self.mean > 0 else 0.0
-        else:  # choice
-            x = rng.choices(self.values, weights=self.weights or None)[0]
-        return min(max(x, self.min), self.max)
-
-    def sample_int(self, rng: random.Random, scale: float = 1.0) -> int:
-        return max(1, round(self.sample(rng) * scale))
-
-    @property
-    def upper(self) -> float:
-        """The largest value this distribution can produce."""
-        if self.kind == "constant":
-            return min(max(self.value, self.min), self.max)
-        if self.kind == "choice":
-            return min(max(self.values), self.max)
-        return self.max
+# Shipped inside the package (package-data), so a non-editable install has them too.
+_REPO_WORKLOADS = pathlib.Path(__file__).resolve().parent / "workloads"
 
 
 _DIST_KINDS = {"constant", "uniform", "lognormal", "normal", "exponential", "choice"}
@@ -106,7 +73,7 @@ def parse_dist(spec: Any, where: str, base_dir: pathlib.Path | None = None) -> D
         path = pathlib.Path(s.pop("file"))
         path = path if path.is_absolute() or base_dir is None else base_dir / path
         name = s.pop("field", "prompt_tokens")
-        s["values"] = [float(r[name]) for r in _read_jsonl(path) if name in r]
+        s["values"] = [float(r[name]) for r in read_jsonl(path) if name in r]
     try:
         for key in ("values", "weights"):
             if key in s:
@@ -126,86 +93,6 @@ def parse_dist(spec: Any, where: str, base_dir: pathlib.Path | None = None) -> D
     return d
 
 
-@dataclass(frozen=True)
-class Burst:
-    """Extra arrival rate ``rate`` during [start, start + duration), repeated every ``every`` s."""
-
-    start: float
-    duration: float
-    rate: float
-    every: float = 0.0
-
-
-@dataclass(frozen=True)
-class ArrivalSpec:
-    mode: str = "poisson"           # poisson | constant | closed | trace
-    rate: float = 1.0               # sessions per second (open loop)
-    concurrency: int = 4            # sessions running at once (closed loop)
-    bursts: tuple[Burst, ...] = ()
-    time_scale: float = 1.0         # trace: multiply recorded timestamps (0.5 = twice as fast)
-
-
-@dataclass(frozen=True)
-class RequestClass:
-    name: str
-    kind: str = "completion"        # completion | chat
-    weight: float = 1.0
-    turns: Dist = field(default_factory=lambda: Dist("constant", value=1))
-    prompt_tokens: Dist = field(default_factory=lambda: Dist("constant", value=128))
-    output_tokens: Dist = field(default_factory=lambda: Dist("constant", value=64))
-    system_tokens: int = 0          # chat: a system prompt at the start of the session
-    shared_system: bool = False     # the system prompt is the same for every session (cacheable)
-    think_time: Dist = field(default_factory=Dist)  # chat: seconds between a reply and the next turn
-
-
-@dataclass(frozen=True)
-class TenantSpec:
-    name: str
-    weight: float = 1.0
-    priorities: tuple[tuple[str, float], ...] = (("", 1.0),)
-    classes: tuple[tuple[str, float], ...] = ()   # empty = every class at its own weight
-
-
-@dataclass(frozen=True)
-class TurnPlan:
-    prompt_tokens: int              # new tokens this turn (the user message; the whole prompt if single)
-    output_tokens: int
-    think_time: float = 0.0         # wait after the previous turn's reply
-    at: float | None = None         # trace replay: not before this offset from the run start
-
-
-@dataclass(frozen=True)
-class SessionPlan:
-    index: int
-    tenant: str
-    priority: str
-    cls: str
-    kind: str
-    turns: tuple[TurnPlan, ...]
-    system_tokens: int = 0
-    shared_system: bool = False
-    seed: int = 0
-    start: float | None = None      # trace replay: arrival offset
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    description: str = ""
-    seed: int = 0
-    arrival: ArrivalSpec = field(default_factory=ArrivalSpec)
-    tenants: tuple[TenantSpec, ...] = (TenantSpec("default"),)
-    classes: tuple[RequestClass, ...] = (RequestClass("default"),)
-    unique_prompts: bool = True     # start each session with a nonce so prefix caches cannot hit across sessions
-    duration: float = 60.0          # default bounds; the command line overrides them
-    requests: int = 0
-    trace: tuple[SessionPlan, ...] = ()
-
-    def with_arrival(self, **changes: Any) -> Workload:
-        return replace(self, arrival=replace(self.arrival, **changes))
-
-
-# ------------------------------------------------------------------------------------ loading
 def _weights(spec: Any, where: str, allowed: Sequence[str] | None = None) -> tuple[tuple[str, float], ...]:
     if isinstance(spec, str):
         spec = {spec: 1.0}
@@ -280,67 +167,13 @@ def parse_workload(spec: Mapping[str, Any], *, name: str = "", base_dir: pathlib
     trace: tuple[SessionPlan, ...] = ()
     if "trace" in s:
         path = pathlib.Path(s.pop("trace"))
-        trace = trace_sessions(_read_jsonl(path if path.is_absolute() or base_dir is None else base_dir / path))
+        trace = trace_sessions(read_jsonl(path if path.is_absolute() or base_dir is None else base_dir / path))
         arrival = replace(arrival, mode="trace") if arrival.mode != "closed" else arrival
     try:
         return Workload(name=str(s.pop("name", name) or name), classes=classes, tenants=tuple(tenants),
                         arrival=arrival, trace=trace, **s)
     except TypeError as exc:
         raise WorkloadError(f"workload: {exc}") from None
-
-
-def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise WorkloadError(f"{path}:{n}: {exc}") from None
-    return rows
-
-
-_ALIASES = {"prompt_tokens": ("prompt_tokens", "input_tokens", "ContextTokens"),
-            "output_tokens": ("output_tokens", "max_tokens", "GeneratedTokens"),
-            "timestamp": ("timestamp", "arrival", "t")}
-
-
-def _field(row: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    return next((row[a] for a in _ALIASES.get(name, (name,)) if a in row), default)
-
-
-def trace_sessions(rows: Sequence[Mapping[str, Any]]) -> tuple[SessionPlan, ...]:
-    """Group trace rows into sessions (by ``session_id``; a row without one is its own session)."""
-    groups: dict[str, list[Mapping[str, Any]]] = {}
-    for n, row in enumerate(rows):
-        if _field(row, "prompt_tokens") is None or _field(row, "output_tokens") is None:
-            raise WorkloadError(f"trace line {n + 1}: needs prompt_tokens and output_tokens")
-        groups.setdefault(str(row.get("session_id") or f"#{n}"), []).append(row)
-    t0 = min((float(_field(r, "timestamp", 0.0)) for r in rows), default=0.0)
-    sessions = []
-    for i, (_, turns) in enumerate(sorted(groups.items(), key=lambda kv: float(_field(kv[1][0], "timestamp", 0)))):
-        first = turns[0]
-        plans = tuple(TurnPlan(int(_field(r, "prompt_tokens")), int(_field(r, "output_tokens")),
-                               at=float(_field(r, "timestamp", t0)) - t0) for r in turns)
-        priority = str(first.get("priority", "") or "")
-        if priority not in PRIORITY_NAMES:
-            raise WorkloadError(f"trace: unknown priority {priority!r}")
-        sessions.append(SessionPlan(
-            index=i, tenant=str(first.get("tenant", "default")), priority=priority,
-            cls=str(first.get("class", "trace")), kind="chat" if len(plans) > 1 else "completion",
-            turns=plans, start=plans[0].at, seed=i))
-    return tuple(sessions)
-
-
-def load_trace(path: str | os.PathLike[str], *, name: str = "") -> Workload:
-    """A JSONL trace replayed at its recorded times."""
-    p = pathlib.Path(path)
-    sessions = trace_sessions(_read_jsonl(p))
-    tenants = tuple(TenantSpec(t) for t in sorted({s.tenant for s in sessions}))
-    span = max((s.turns[-1].at or 0.0 for s in sessions), default=0.0)
-    return Workload(name=name or p.stem, description=f"trace replay of {p.name}", tenants=tenants,
-                    arrival=ArrivalSpec(mode="trace"), trace=sessions, duration=span + 1.0)
 
 
 def workload_dirs() -> list[pathlib.Path]:
@@ -357,7 +190,7 @@ def available_workloads() -> dict[str, pathlib.Path]:
 
 
 def load_workload(name_or_path: str) -> Workload:
-    """A named workload (bench/workloads/<name>.yaml), a YAML/JSON file, or a JSONL trace."""
+    """A named workload (services/bench/workloads/<name>.yaml), a YAML/JSON file, or a JSONL trace."""
     p = pathlib.Path(name_or_path)
     if p.suffix == ".jsonl":
         return load_trace(p)

@@ -8,6 +8,7 @@ import os
 import pathlib
 import sys
 
+from services.bench.cli import add_bench_parser, run_bench
 from services.errors import TokenrelayError
 
 from .launcher import CACHE, DEFAULT_STATE, Mesh, MeshOptions, read_state, tail
@@ -142,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive multi-turn chat")
     client_opts(chat)
     chat.add_argument("--system", default=None, help="system prompt")
+    add_bench_parser(sub)
     hk = sub.add_parser("hash-key", help="print the SHA-256 of an API key for a tenants file")
     hk.add_argument("key")
     return p
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(hashlib.sha256(args.key.encode()).hexdigest())
         return 0
-    handler = {"up": _up, "generate": _generate, "chat": _chat}[args.command]
+    handler = {"up": _up, "generate": _generate, "chat": _chat, "bench": run_bench}[args.command]
     try:
         return asyncio.run(handler(args))
     except KeyboardInterrupt:

@@ -1,0 +1,46 @@
+"""`tokenrelay bench --compare` against a real mesh (`tokenrelay up --engine sim` with stories260K):
+router, tokenizer, engine and Redis as real processes on ephemeral ports."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+
+from services.bench.cli import add_bench_parser, run_bench
+from services.cli.launcher import Mesh, MeshOptions
+from tests.data import shared_path
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tokenrelay")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+async def test_compare_against_a_real_mesh(tmp_path: pathlib.Path) -> None:
+    model = shared_path("models", "stories260K")
+    state = tmp_path / "state.json"
+    # stories260K ships no chat template: the tokenizer's built-in chatml serves the chat turns.
+    mesh = Mesh(MeshOptions(model=model, engine="sim", port=0, run_dir=tmp_path / "run", state_file=state,
+                            startup_timeout=60, tokenizer_args=["--chat-template=chatml"]))
+    try:
+        await mesh.start()
+        out = tmp_path / "report.json"
+        args = _args("--workload", "chat-multiturn", "--compare", "--state-file", str(state), "--requests", "16",
+                     "--concurrency", "4", "--length-scale", "0.3", "--slo-ttft", "2", "--json", str(out),
+                     "--no-progress")
+        assert await run_bench(args) == 0
+    finally:
+        await asyncio.to_thread(mesh.stop, 5.0)
+    runs = json.loads(out.read_text())["runs"]
+    mesh_run, engine_run = runs["mesh"], runs["engine"]
+    assert mesh_run["summary"]["requests"] == mesh_run["summary"]["ok"] == 16, mesh_run["summary"]["errors_by_reason"]
+    assert engine_run["summary"]["ok"] == 16
+    # The engine replayed the mesh's token counts; the mesh alone reports admission and its own TTFT.
+    assert engine_run["summary"]["tokens"]["prompt"] == mesh_run["summary"]["tokens"]["prompt"]
+    assert engine_run["summary"]["tokens"]["completion"] == mesh_run["summary"]["tokens"]["completion"]
+    assert mesh_run["summary"]["queue"]["n"] == 16 and engine_run["summary"]["queue"] is None
+    assert mesh_run["summary"]["server_ttft"]["p50"] <= mesh_run["summary"]["ttft"]["p50"]
+    assert mesh_run["target"]["chars_per_token"] > 0 and mesh_run["target"]["max_context"] == 512

@@ -1,0 +1,130 @@
+"""Measurement and statistics: TTFT/ITL from delta timestamps, percentiles, goodput, tables."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from services.bench.report import Slo, build_report, dist_stats, format_comparison, format_report, group_stats
+from services.bench.runner import RequestRecord, RunResult, _Timing, matched_plan
+from services.bench.targets import TurnResult
+from services.bench.workload import SessionPlan, TurnPlan
+
+
+def _timing(sent: float, deltas: list[tuple[float, int | None]]) -> _Timing:
+    t = _Timing()
+    t.sent = sent
+    for at, n in deltas:
+        t.times.append(at)
+        t.counts.append(n)
+    return t
+
+
+def _result(completion: int, finished_at: float) -> TurnResult:
+    return TurnResult(prompt_tokens=10, cached_tokens=4, completion_tokens=completion, finish_reason="length",
+                      queue_seconds=0.002, context_tokens=10 + completion, finished_at=finished_at)
+
+
+def test_ttft_itl_and_e2e_come_from_delta_times_divided_by_their_tokens() -> None:
+    # First delta at 0.10 s carries 1 token, then 3 tokens 0.06 s later, then a text-only flush,
+    # then 2 tokens 0.04 s after the last token-bearing delta.
+    timing = _timing(100.0, [(100.10, 1), (100.16, 3), (100.18, 0), (100.20, 2)])
+    rec = RequestRecord(index=0, session=0, turn=0, tenant="t", priority="normal", cls="c", start=0.0)
+    timing.fill(rec, _result(6, 100.25), t0=100.0)
+    assert rec.ttft == pytest.approx(0.10)
+    assert rec.e2e == pytest.approx(0.25)
+    assert rec.itl == pytest.approx([0.02, 0.02, 0.02, 0.02, 0.02])
+    assert rec.tpot == pytest.approx((100.20 - 100.10) / 5)
+    assert not rec.itl_estimated
+    assert [n for _, n in rec.deltas] == [1, 3, 0, 2]
+
+
+def test_deltas_without_token_counts_are_split_evenly_and_flagged() -> None:
+    timing = _timing(0.0, [(0.1, None), (0.3, None), (0.5, None)])
+    rec = RequestRecord(index=0, session=0, turn=0, tenant="t", priority="", cls="c", start=0.0)
+    timing.fill(rec, _result(6, 0.5), t0=0.0)
+    assert rec.itl_estimated
+    assert rec.itl == pytest.approx([0.1, 0.1, 0.1, 0.1])  # 2 tokens per delta, 0.2 s apart
+
+
+def test_dist_stats_matches_numpy_percentiles() -> None:
+    rng = random.Random(4)
+    xs = [rng.lognormvariate(0, 1) for _ in range(1001)]
+    st = dist_stats(xs)
+    assert st is not None and st["n"] == 1001 and st["max"] == max(xs)
+    for p in (50, 90, 95, 99):
+        assert st[f"p{p}"] == pytest.approx(float(np.percentile(xs, p)))
+    assert dist_stats([]) is None
+
+
+def _rec(i: int, tenant: str, ok: bool = True, ttft: float = 0.1, tpot: float = 0.01,
+         status: str = "OK", reason: str = "", priority: str = "normal") -> RequestRecord:
+    r = RequestRecord(index=i, session=i, turn=0, tenant=tenant, priority=priority, cls="c", start=float(i),
+                      status="OK" if ok else status, reason=reason)
+    if ok:
+        r.ttft, r.tpot, r.e2e, r.queue = ttft, tpot, ttft + 10 * tpot, 0.001
+        r.itl = [tpot] * 10
+        r.prompt_tokens, r.cached_tokens, r.completion_tokens = 100, 25, 11
+    return r
+
+
+def test_goodput_counts_failed_requests_as_misses_and_checks_every_slo() -> None:
+    recs = [_rec(0, "a"), _rec(1, "a", ttft=0.9), _rec(2, "a", tpot=0.2),
+            _rec(3, "a", ok=False, status="UNAVAILABLE", reason="ENGINE_OVERLOADED")]
+    g = group_stats(recs, wall=2.0, slo=Slo(ttft=0.5, itl=0.05))
+    assert g["goodput"]["met"] == 1 and g["goodput"]["share"] == 0.25
+    assert g["goodput"]["requests_per_s"] == 0.5
+    assert g["errors_by_reason"] == {"UNAVAILABLE/ENGINE_OVERLOADED": 1}
+    assert g["ok"] == 3 and g["throughput"]["output_tokens_per_s"] == 3 * 11 / 2.0
+    assert g["tokens"]["cached_share"] == 0.25
+    assert "goodput" not in group_stats(recs, wall=2.0, slo=Slo())
+
+
+def _run(records: list[RequestRecord], name: str = "fake") -> RunResult:
+    return RunResult(target={"target": name, "max_context": 0}, workload="w", mode="closed", seed=1,
+                     records=records, wall=4.0, sessions=len(records))
+
+
+def test_report_groups_by_tenant_priority_and_class_and_renders() -> None:
+    recs = [_rec(0, "a", priority="high"), _rec(1, "b"), _rec(2, "b"),
+            _rec(3, "b", ok=False, status="RESOURCE_EXHAUSTED", reason="TENANT_QUEUE_FULL")]
+    report = build_report(_run(recs), Slo(ttft=0.5))
+    assert report["summary"]["requests"] == 4
+    assert {k: v["requests"] for k, v in report["by_tenant"].items()} == {"a": 1, "b": 3}
+    assert {k: v["requests"] for k, v in report["by_priority"].items()} == {"high": 1, "normal": 3}
+    assert report["by_tenant"]["b"]["errors_by_status"] == {"RESOURCE_EXHAUSTED": 1}
+    text = format_report(report)
+    for needle in ("tenant:a", "tenant:b", "priority:high", "class:c", "RESOURCE_EXHAUSTED/TENANT_QUEUE_FULL",
+                   "goodput 75.0%"):
+        assert needle in text
+
+
+def test_a_run_where_everything_failed_still_renders() -> None:
+    report = build_report(_run([_rec(0, "a", ok=False, status="UNAUTHENTICATED", reason="UNKNOWN_API_KEY")]))
+    assert report["summary"]["ttft"] is None
+    assert "UNAUTHENTICATED/UNKNOWN_API_KEY: 1" in format_report(report)
+
+
+def test_comparison_puts_targets_side_by_side_with_the_difference() -> None:
+    fast = build_report(_run([_rec(0, "a", ttft=0.010)], "engine"))
+    slow = build_report(_run([_rec(0, "a", ttft=0.025)], "mesh"))
+    lines = format_comparison({"engine": fast, "mesh": slow}).splitlines()
+    assert lines[0].split() == ["metric", "engine", "mesh", "mesh", "−", "engine"]
+    ttft = next(line for line in lines if line.startswith("TTFT p50"))
+    assert ttft.split()[-3:] == ["10.00", "25.00", "15.00"]
+
+
+def test_matched_plan_replays_the_prompt_growth_another_target_saw() -> None:
+    plan = SessionPlan(index=3, tenant="t", priority="", cls="c", kind="chat", system_tokens=20,
+                       turns=(TurnPlan(30, 10), TurnPlan(40, 10, think_time=0.5), TurnPlan(50, 10)))
+    sent = []
+    for turn, (prompt, completion) in enumerate([(70, 10), (150, 12)]):
+        r = RequestRecord(index=turn, session=3, turn=turn, tenant="t", priority="", cls="c", start=0.0)
+        r.prompt_tokens, r.completion_tokens = prompt, completion
+        sent.append(r)
+    m = matched_plan(plan, sent)
+    # Turn 0: 70 prompt tokens over a 20-token system prompt; turn 1: 150 - (70 + 10) new tokens.
+    assert [(t.prompt_tokens, t.output_tokens) for t in m.turns] == [(50, 10), (70, 12)]
+    assert m.turns[1].think_time == 0.5  # the third turn was never sent, so it is dropped
