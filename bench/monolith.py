@@ -7,7 +7,7 @@ decodes each new token inline. While it encodes a 32k-token prompt nothing else 
 not the engine's step loop, not the other streams. That is what is measured, so this file breaks
 the house rule "CPU-bound work never on the event loop" on purpose. No auth: any key is accepted.
 
-A sampler thread records (monotonic time, engine active + queued, prompt tokens admitted, engine
+A sampler thread records (monotonic time, engine active, queued, prompt tokens admitted, engine
 busy seconds charged by the cost model) every `--sample-interval` seconds and writes them to
 `--load-trace` as JSON at shutdown. `Tokenizer.encode` holds the GIL, so the sampler pauses during
 an encode; the backend cannot change state then either (only the blocked loop mutates it), so the
@@ -33,7 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from tokenizers import Tokenizer
 
-from engine_svc.backends import Backend, GenerationRequest, StepStats, create_backend
+from engine_svc.backends import Backend, GenerationEvent, GenerationRequest, StepStats, create_backend
 from engine_svc.backends.sim import SimConfig
 from engine_svc.config import EngineSettings
 from services.config import parse_settings, setting
@@ -70,7 +70,7 @@ class LoadSampler:
     def __init__(self, backend: Backend, interval: float) -> None:
         self.backend, self.interval = backend, interval
         self.busy = 0.0
-        self.samples: list[tuple[float, int, int, float]] = []
+        self.samples: list[tuple[float, int, int, int, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
         backend.step_observer = self._on_step
@@ -81,7 +81,7 @@ class LoadSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             load = self.backend.load()
-            self.samples.append((time.monotonic(), load.active + load.queued, load.prompt_tokens_total,
+            self.samples.append((time.monotonic(), load.active, load.queued, load.prompt_tokens_total,
                                  self.busy))
 
     def start(self) -> None:
@@ -109,20 +109,29 @@ class MonolithServicer(inference_pb2_grpc.InferenceServicer):
         req = GenerationRequest(request.request_id or uuid.uuid4().hex, ids, s.max_tokens,
                                 stop_token_ids=list(s.stop_token_ids), eos_token_ids=self.eos_ids,
                                 ignore_eos=s.ignore_eos)
-        yield inference_pb2.GenerateResponse(accepted=inference_pb2.Accepted(
-            request_id=req.request_id, prompt_tokens=len(ids)))
-        generated, cached, reason, t_first = 0, 0, "length", None
-        async for event in self.backend.generate(req):
-            if event.token_ids:
-                t_first = t_first or time.monotonic()
-                generated += len(event.token_ids)
-                delta = inference_pb2.Delta(text=self.tokenizer.decode(event.token_ids))
-                if request.return_token_ids:
-                    delta.token_ids.extend(event.token_ids)
-                yield inference_pb2.GenerateResponse(delta=delta)
-            cached = cached or event.cached_tokens
-            if event.finished:
-                reason = event.finish_reason.value if event.finish_reason else "length"
+        events: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self.backend.validate(req)
+        # Submitted before `accepted` is sent, so the bench may read `accepted` as "the engine has it".
+        self.backend.submit(req, events.put_nowait)
+        generated, cached, reason, t_first, finished = 0, 0, "length", None, False
+        try:
+            yield inference_pb2.GenerateResponse(accepted=inference_pb2.Accepted(
+                request_id=req.request_id, prompt_tokens=len(ids)))
+            while not finished:
+                event = await events.get()
+                finished = event.finished
+                cached = cached or event.cached_tokens
+                reason = event.finish_reason.value if event.finish_reason else reason
+                if event.token_ids:
+                    t_first = t_first or time.monotonic()
+                    generated += len(event.token_ids)
+                    delta = inference_pb2.Delta(text=self.tokenizer.decode(event.token_ids))
+                    if request.return_token_ids:
+                        delta.token_ids.extend(event.token_ids)
+                    yield inference_pb2.GenerateResponse(delta=delta)
+        finally:
+            if not finished:  # the client went away: free the engine's slot
+                self.backend.abort(req.request_id)
         now = time.monotonic()
         first = t_first or now
         yield inference_pb2.GenerateResponse(done=inference_pb2.Done(

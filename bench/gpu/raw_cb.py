@@ -29,8 +29,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(a.model)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
-    model = model.to("cuda").eval()
+    with torch.device("cuda"):  # random init on the GPU: seconds, not minutes on the host CPU
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    model = model.eval()
+    print("model ready", flush=True, file=__import__("sys").stderr)
     manager = model.init_continuous_batching(
         generation_config=GenerationConfig(do_sample=False, eos_token_id=-1),
         continuous_batching_config=ContinuousBatchingConfig(

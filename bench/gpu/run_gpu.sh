@@ -15,16 +15,16 @@ JSON
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpc', grpc.__version__)" | tee -a $OUT/gpu.txt
 for N in ${CONCURRENCY:-16 64}; do
-  timeout 240 python3 bench/gpu/raw_cb.py --model $M --requests $N 2>$OUT/raw_$N.err | tail -1 | tee $OUT/raw_$N.json
+  timeout 150 python3 bench/gpu/raw_cb.py --model $M --requests $N 2>$OUT/raw_$N.err | tail -1 | tee $OUT/raw_$N.json
 done
 python3 -m engine_svc --backend hf --model $M --hf-random-weights --hf-device cuda --hf-dtype bfloat16 \
   --hf-num-blocks 8192 --hf-max-batch-tokens 8192 --hf-max-batch-size 256 --no-hf-sampling \
   --port 0 --port-file /tmp/engine.port --log-format console > $OUT/engine.log 2>&1 &
 EPID=$!
-for i in $(seq 1 240); do [ -f /tmp/engine.port ] && break; sleep 0.5; done
+for i in $(seq 1 180); do [ -f /tmp/engine.port ] && break; sleep 0.5; done
 ADDR=127.0.0.1:$(cat /tmp/engine.port)
 for N in ${CONCURRENCY:-16 64}; do
-  timeout 240 python3 -m services.bench --target engine --engine-address $ADDR --workload bench/gpu/fixed-512-256.yaml \
+  timeout 150 python3 -m services.bench --target engine --engine-address $ADDR --workload bench/gpu/fixed-512-256.yaml \
     --concurrency $N --requests $((N * 2)) --vocab-size 128256 --max-context 8192 --no-progress \
     --json $OUT/engine_$N.json > $OUT/engine_$N.txt 2>&1
   tail -25 $OUT/engine_$N.txt

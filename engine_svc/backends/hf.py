@@ -102,7 +102,8 @@ class HfBackend(Backend):
 
             config = AutoConfig.from_pretrained(cfg.model)
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+            with torch.device(cfg.device):  # initialise where it will run (an 8B init on a CPU takes minutes)
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation="sdpa", dtype=dtype)
         model = model.to(torch.device(cfg.device)).eval()  # type: ignore[arg-type]
