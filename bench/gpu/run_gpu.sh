@@ -14,9 +14,10 @@ cat > $M/config.json <<'JSON'
 JSON
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpc', grpc.__version__)" | tee -a $OUT/gpu.txt
-for N in ${CONCURRENCY:-16 64}; do
+for N in ${RAW_CONCURRENCY-${CONCURRENCY:-16 64}}; do
   timeout 150 python3 bench/gpu/raw_cb.py --model $M --requests $N 2>$OUT/raw_$N.err | tail -1 | tee $OUT/raw_$N.json
 done
+rm -f /tmp/engine.port  # a warm machine keeps /tmp between calls
 python3 -m engine_svc --backend hf --model $M --hf-random-weights --hf-device cuda --hf-dtype bfloat16 \
   --hf-num-blocks 8192 --hf-max-batch-tokens 8192 --hf-max-batch-size 256 --no-hf-sampling \
   --port 0 --port-file /tmp/engine.port --log-format console > $OUT/engine.log 2>&1 &
