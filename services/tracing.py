@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace.export import (
 )
 
 _configured = False
+_provider: TracerProvider | None = None
 
 
 class JsonlSpanExporter(SpanExporter):
@@ -59,10 +60,13 @@ def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExpor
                       trace_file: str = "") -> None:
     """Install the global tracer provider once per process.
 
-    ``trace_file`` (or env TOKENRELAY_TRACE_FILE) appends spans as JSON lines.
+    ``trace_file`` (or env TOKENRELAY_TRACE_FILE) appends spans as JSON lines. A later call only
+    adds its ``exporter`` to the provider already installed (tests attach in-memory exporters).
     """
-    global _configured
+    global _configured, _provider
     if _configured:
+        if exporter is not None and _provider is not None:
+            _provider.add_span_processor(SimpleSpanProcessor(exporter))
         return
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     trace_file = trace_file or os.environ.get("TOKENRELAY_TRACE_FILE", "")
@@ -77,6 +81,7 @@ def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExpor
             raise SystemExit("OTLP export needs `pip install tokenrelay[otlp]`") from exc
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
     trace.set_tracer_provider(provider)
+    _provider = provider
     _configured = True
 
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import REGISTRY
@@ -53,15 +52,6 @@ def spans() -> Iterator[InMemorySpanExporter]:
     """An in-memory exporter on the process's tracer provider, whoever installed it."""
     exporter = InMemorySpanExporter()
     configure_tracing("engine_svc", exporter=exporter)
-    with trace.get_tracer("probe").start_as_current_span("exporter-probe"):
-        pass
-    if not any(s.name == "exporter-probe" for s in exporter.get_finished_spans()):
-        # configure_tracing ran earlier in this process: join the provider it installed.
-        provider = trace.get_tracer_provider()
-        if not hasattr(provider, "add_span_processor"):
-            pytest.fail(f"the global tracer provider is not the SDK's: {provider!r}")
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    exporter.clear()
     yield exporter
     exporter.shutdown()  # later spans are dropped instead of piling up in memory
 
