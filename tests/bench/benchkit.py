@@ -7,7 +7,6 @@ message), so the bench's calibration, API-key mapping and chat prefixes can be c
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from services.bench.targets import Observer, Target, TargetSession, TurnResult
 from services.bench.workload import SessionPlan, TurnPlan, Workload, parse_workload
 from services.errors import TokenrelayError, Unauthenticated
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.waiting import poll  # noqa: F401 - re-exported for the bench tests
 
 
 def workload(**spec: Any) -> Workload:
@@ -86,17 +86,6 @@ class _FakeSession(TargetSession):
         self.context_tokens = prompt + turn.output_tokens
         return TurnResult(prompt, 0, turn.output_tokens, "length", 0.001, self.context_tokens)
 
-
-async def poll(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Await until ``condition()`` is truthy (polled, with a deadline) and return its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 # ------------------------------------------------------------------ fake Inference server

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from typing import Any
 
 from engine_svc.backends.base import GenerationEvent, GenerationRequest
 from engine_svc.backends.sim import SimConfig
 from tests.data import shared_path  # noqa: F401 - re-exported for the engine tests
+from tests.waiting import poll  # noqa: F401 - re-exported for the engine tests
 
 
 def fast_sim(**overrides: Any) -> SimConfig:
@@ -52,17 +51,6 @@ class Collector:
     def count(self, request_id: str) -> int:
         return len(self.tokens(request_id))
 
-
-async def poll(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Await until ``condition()`` is truthy (polled, with a deadline) and return its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 class StreamClient:
@@ -131,3 +119,13 @@ def engine_request(request_id: str, prompt: list[int], max_tokens: int = 8, *, e
     return engine_pb2.EngineRequest(
         request_id=request_id, prompt_token_ids=prompt, eos_token_ids=eos or [], cache_salt=cache_salt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+async def run_backend(backend: Any, requests: list[GenerationRequest], timeout: float = 10.0) -> Collector:
+    """Validate and submit every request to a backend, then wait until all of them finished."""
+    sink = Collector()
+    for r in requests:
+        backend.validate(r)
+        backend.submit(r, sink)
+    await sink.wait(*(r.request_id for r in requests), timeout=timeout)
+    return sink

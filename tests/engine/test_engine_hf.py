@@ -30,6 +30,7 @@ from tests.engine.engine_testkit import (
     engine_request,
     poll,
     req,
+    run_backend,
     shared_path,
 )
 
@@ -87,14 +88,6 @@ async def make_hf() -> AsyncIterator[Callable[..., Any]]:
     for backend in started:
         await backend.close()
 
-
-async def generate_all(backend: HfBackend, requests: list, timeout: float = 60.0) -> Collector:
-    sink = Collector()
-    for r in requests:
-        backend.validate(r)
-        backend.submit(r, sink)
-    await sink.wait(*(r.request_id for r in requests), timeout=timeout)
-    return sink
 
 
 @pytest.mark.parametrize("sampling", [True, False], ids=["sampling-engine", "greedy-engine"])
@@ -226,3 +219,7 @@ async def test_stories260k_greedy_matches_generate(make_hf) -> None:
         assert out.tokens(name) == expected[name]
     story = tokenizer.decode(out.tokens("once"))
     assert len(story.split()) >= 5  # real words, not byte soup
+
+
+async def generate_all(backend: HfBackend, requests: list, timeout: float = 60.0) -> Collector:
+    return await run_backend(backend, requests, timeout)

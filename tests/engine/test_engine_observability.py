@@ -109,15 +109,6 @@ async def scrape(port: int) -> Scrape:
     return Scrape(await asyncio.to_thread(fetch))  # the endpoint's collector needs the loop free
 
 
-async def poll_async(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """`poll` for an async condition: await it until it returns something truthy."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not (value := await condition()):
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
-    return value
-
 
 def delta(after: Scrape, before: Scrape, name: str, **labels: str) -> float:
     return after.get(name, **labels) - before.get(name, **labels)
@@ -265,7 +256,7 @@ async def test_load_gauges_follow_the_engine_and_overload_is_counted(serve, metr
         ok = load.active_requests == 2 and load.queued_requests == 1 and client.tokens("r0")
         return load if ok else None
 
-    load = await poll_async(running, what="two requests running and one queued")
+    load = await poll(running, what="two requests running and one queued")
     client.submit(engine_request("over-1", [1, 2], 4), engine_request("over-2", [1, 2], 4))
     await client.wait("over-1", "over-2")
     busy = await scrape(metrics_port)

@@ -12,7 +12,7 @@ from engine_svc.backends.base import FinishReason
 from engine_svc.backends.sim import SimBackend, SimConfig
 from engine_svc.engine import Engine
 from services.errors import InvalidArgument
-from tests.engine.engine_testkit import Collector, fast_sim, poll, req
+from tests.engine.engine_testkit import Collector, fast_sim, poll, req, run_backend
 
 
 @pytest.fixture
@@ -30,20 +30,12 @@ async def make_sim() -> AsyncIterator:
         await backend.close()
 
 
-async def run_all(backend: SimBackend, requests: list, timeout: float = 10.0) -> Collector:
-    sink = Collector()
-    for r in requests:
-        backend.validate(r)
-        backend.submit(r, sink)
-    await sink.wait(*(r.request_id for r in requests), timeout=timeout)
-    return sink
-
 
 async def test_output_is_deterministic_in_seed_prompt_and_position(make_sim) -> None:
     a, b = await make_sim(fast_sim()), await make_sim(fast_sim())
     reqs = [req("greedy", [5, 6, 7], 12), req("seeded", [5, 6, 7], 12, temperature=0.8, seed=42),
             req("other-seed", [5, 6, 7], 12, temperature=0.8, seed=43), req("other-prompt", [5, 6, 8], 12)]
-    ra, rb = await run_all(a, reqs), await run_all(b, reqs)
+    ra, rb = await run_backend(a, reqs), await run_backend(b, reqs)
     for r in reqs:
         assert ra.tokens(r.request_id) == rb.tokens(r.request_id)
         assert len(ra.tokens(r.request_id)) == 12
@@ -51,10 +43,10 @@ async def test_output_is_deterministic_in_seed_prompt_and_position(make_sim) -> 
     assert ra.tokens("seeded") != ra.tokens("other-seed")
     assert ra.tokens("greedy") != ra.tokens("other-prompt")
     # Greedy ignores the seed.
-    rc = await run_all(a, [req("greedy-seed", [5, 6, 7], 12, seed=7)])
+    rc = await run_backend(a, [req("greedy-seed", [5, 6, 7], 12, seed=7)])
     assert rc.tokens("greedy-seed") == ra.tokens("greedy")
     # Longer runs extend the same stream: position-wise determinism.
-    rd = await run_all(a, [req("longer", [5, 6, 7], 20)])
+    rd = await run_backend(a, [req("longer", [5, 6, 7], 20)])
     assert rd.tokens("longer")[:12] == ra.tokens("greedy")
 
 
@@ -62,9 +54,9 @@ async def test_resubmitting_prompt_plus_output_continues_the_same_stream(make_si
     # What token migration relies on: like a greedy model, the next token depends on the context.
     backend = await make_sim(fast_sim())
     for kw in ({}, {"temperature": 0.9, "seed": 5}):
-        full = await run_all(backend, [req("full", [8, 9, 10], 30, **kw)])
+        full = await run_backend(backend, [req("full", [8, 9, 10], 30, **kw)])
         head = full.tokens("full")[:11]
-        rest = await run_all(backend, [req("rest", [8, 9, 10, *head], 19, **kw)])
+        rest = await run_backend(backend, [req("rest", [8, 9, 10, *head], 19, **kw)])
         assert rest.tokens("rest") == full.tokens("full")[11:]
 
 
@@ -114,11 +106,11 @@ async def test_kv_capacity_gates_admission(make_sim) -> None:
 async def test_prefix_cache_hits_are_reported_per_request_and_in_load(make_sim) -> None:
     backend = await make_sim(fast_sim(tokens_per_block=4))
     prompt = list(range(1, 19))  # 4 full blocks + 2 tokens
-    first = await run_all(backend, [req("first", prompt, 3)])
+    first = await run_backend(backend, [req("first", prompt, 3)])
     assert first.events["first"][0].cached_tokens == 0
-    second = await run_all(backend, [req("second", [*prompt, 50], 3)])
+    second = await run_backend(backend, [req("second", [*prompt, 50], 3)])
     assert second.events["second"][0].cached_tokens == 16
-    salted = await run_all(backend, [req("salted", prompt, 3, cache_salt="tenant-b")])
+    salted = await run_backend(backend, [req("salted", prompt, 3, cache_salt="tenant-b")])
     assert salted.events["salted"][0].cached_tokens == 0
     load = backend.load()
     assert load.cached_tokens_total == 16
@@ -127,7 +119,7 @@ async def test_prefix_cache_hits_are_reported_per_request_and_in_load(make_sim) 
 
 async def test_stop_on_eos_and_stop_ids_unless_ignored(make_sim) -> None:
     backend = await make_sim(fast_sim(eos_probability=1.0))
-    out = await run_all(backend, [req("eos", [1, 2], 10, eos_token_ids=[999]),
+    out = await run_backend(backend, [req("eos", [1, 2], 10, eos_token_ids=[999]),
                                   req("ignored", [1, 2], 10, eos_token_ids=[999], ignore_eos=True),
                                   req("no-eos-ids", [1, 2], 10)])
     assert out.tokens("eos") == [999] and out.last("eos").finish_reason is FinishReason.STOP
@@ -135,10 +127,10 @@ async def test_stop_on_eos_and_stop_ids_unless_ignored(make_sim) -> None:
     assert out.last("no-eos-ids").finish_reason is FinishReason.LENGTH
 
     plain = await make_sim(fast_sim())
-    ref = await run_all(plain, [req("ref", [3, 4, 5], 10)])
+    ref = await run_backend(plain, [req("ref", [3, 4, 5], 10)])
     third = ref.tokens("ref")[2]
     stop_at = ref.tokens("ref").index(third) + 1
-    out = await run_all(plain, [req("stopped", [3, 4, 5], 10, stop_token_ids=[third], ignore_eos=True)])
+    out = await run_backend(plain, [req("stopped", [3, 4, 5], 10, stop_token_ids=[third], ignore_eos=True)])
     assert out.tokens("stopped") == ref.tokens("ref")[:stop_at]
     assert out.last("stopped").finish_reason is FinishReason.STOP
 
@@ -146,7 +138,7 @@ async def test_stop_on_eos_and_stop_ids_unless_ignored(make_sim) -> None:
 async def test_some_requests_end_early_with_partial_eos_probability(make_sim) -> None:
     # P(no EOS in 30 tokens) = 0.95**30 ≈ 0.21, and outputs are deterministic per prompt.
     backend = await make_sim(fast_sim(eos_probability=0.05, max_batch_size=64))
-    out = await run_all(backend, [req(f"r{i}", [i], 30, eos_token_ids=[7]) for i in range(40)])
+    out = await run_backend(backend, [req(f"r{i}", [i], 30, eos_token_ids=[7]) for i in range(40)])
     reasons = [out.last(f"r{i}").finish_reason for i in range(40)]
     assert FinishReason.STOP in reasons and FinishReason.LENGTH in reasons
 
@@ -226,7 +218,7 @@ async def test_sim_sustains_tens_of_thousands_of_tokens_per_second(make_sim) -> 
                                       vocab_size=128_000, max_context=4096))
     requests = [req(f"r{i}", [i, i + 1, i + 2] * 40, 128) for i in range(256)]
     t0 = time.perf_counter()
-    out = await run_all(backend, requests, timeout=60)
+    out = await run_backend(backend, requests, timeout=60)
     elapsed = time.perf_counter() - t0
     tokens = sum(out.count(r.request_id) for r in requests)
     assert tokens == 256 * 128
