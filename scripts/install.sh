@@ -15,4 +15,4 @@ PY="${PYTHON:-python3}"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
-"$PY" -m pip install -q --disable-pip-version-check -e ".[hf,default-model,dev]"
+"$PY" -m pip install -q --disable-pip-version-check -e ".[hf,default-model,bench,dev]"
