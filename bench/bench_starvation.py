@@ -178,22 +178,10 @@ class MeshSystem(System):
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
-        self.o.run_dir.mkdir(parents=True, exist_ok=True)
-        await self._start_redis()
-        workers = ["--workers", str(self.args.tokenizer_workers)]
-        toks = [self._service(f"tokenizer{i}", "tokenizer_svc", ["--tokenizer", str(self.o.model), *workers])
-                for i in range(self.replicas)]
-        engine = self._service("engine", "engine_svc",
-                               ["--backend", "sim", *engine_flags(self.args, str(self.vocab))])
-        *tok_addrs, engine_addr = await asyncio.gather(*(self._wait_port(*p) for p in [*toks, engine]))
-        router = self._service("router", "router_svc", [
-            "--tokenizers", ",".join(tok_addrs), "--engines", engine_addr, "--redis-url", self.redis_url,
-            "--tenants-file", str(self._write_tenants())])
-        self.router_address = await self._wait_port(*router)
-        port = (self.o.run_dir / "engine.metrics-port").read_text().strip()
-        self.addresses = {"engine": engine_addr, "router": self.router_address}
-        self.metrics = {"engine": f"http://{self.o.host}:{port}/metrics"}
-        return self.router_address
+        self.o.tokenizer_replicas = self.replicas
+        self.o.tokenizer_args = ["--workers", str(self.args.tokenizer_workers)]
+        self.o.engine_args = engine_flags(self.args, str(self.vocab))
+        return await super().start()
 
     async def begin(self) -> None:
         self._poller = asyncio.create_task(self._poll(), name="engine-load-poller")
@@ -231,8 +219,9 @@ def scrape_busy(url: str) -> float:
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """CPU time (user + system, all threads) each process has used so far."""
-    out = {}
+    """CPU time (user + system, all threads) each process has used so far, and the machine's."""
+    m = psutil.cpu_times()
+    out = {"machine": m.user + m.nice + m.system + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0)}
     for name, pid in pids.items():
         with contextlib.suppress(psutil.Error):
             t = psutil.Process(pid).cpu_times()
@@ -251,6 +240,7 @@ class Record:
     tokenize_seconds: float = 0.0
     cached_tokens: int = 0
     error: str = ""
+    error_message: str = ""
 
 
 async def one_request(client: Client, prompt: str, rec: Record, at: float, args: argparse.Namespace) -> None:
@@ -270,7 +260,7 @@ async def one_request(client: Client, prompt: str, rec: Record, at: float, args:
                 rec.handed = (accepted or rec.sent) + event.queue_seconds
                 rec.tokenize_seconds, rec.cached_tokens = event.tokenize_seconds, event.cached_tokens
     except TokenrelayError as exc:
-        rec.error = exc.reason
+        rec.error, rec.error_message = exc.reason, exc.message
     except asyncio.CancelledError:
         rec.error = "DRAIN_TIMEOUT"
         raise
@@ -303,6 +293,7 @@ async def drive(system: System, workload: Workload, args: argparse.Namespace) ->
     samples = await system.finish()
     busy = None if busy_a is None or busy_b is None else (busy_b - busy_a) * args.duration / (t_b - t0)
     cpu = {name: (cpu_b[name] - cpu_a[name]) / (t_b - t_cpu) for name in cpu_b if name in cpu_a}
+    cpu["other"] = cpu.pop("machine") - sum(cpu.values())  # anything else running on this machine
     return {"records": records, "samples": samples, "busy": busy, "window": (t0, t0 + args.duration), "cpu": cpu}
 
 
@@ -351,6 +342,7 @@ def summarize(name: str, run: dict[str, Any], workload: Workload) -> dict[str, A
     return {
         "system": name, "sent": len(records), "with_first_token": len(ok),
         "errors": dict(collections.Counter(r.error for r in records if r.error)),
+        "error_examples": {r.error: r.error_message for r in reversed(records) if r.error},
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90), "ttft_p99_s": percentile(ttft, 99),
         "tokenize_p50_ms": percentile([r.tokenize_seconds * 1000 for r in ok], 50),
         "window_s": wall, "busy_s": busy, "busy_fraction": busy / wall, **idle,

@@ -40,6 +40,7 @@ class MeshOptions:
     run_dir: pathlib.Path = CACHE / "run"
     state_file: pathlib.Path = DEFAULT_STATE
     max_in_flight: int = 16
+    tokenizer_replicas: int = 1
     startup_timeout: float = 300.0
     log_level: str = "INFO"
     engine_args: list[str] = field(default_factory=list)
@@ -60,6 +61,7 @@ class Mesh:
         self.api_key = "trk-dev-" + secrets.token_urlsafe(24)
         self.router_address = ""
         self.addresses: dict[str, str] = {}
+        self.tokenizer_addresses: list[str] = []
         self.metrics: dict[str, str] = {}
         self.redis_url = options.redis_url
 
@@ -133,18 +135,20 @@ class Mesh:
     async def start(self) -> str:
         self.o.run_dir.mkdir(parents=True, exist_ok=True)
         await self._start_redis()
-        tok, tok_port = self._service("tokenizer", "tokenizer_svc",
-                                      ["--tokenizer", str(self.o.model), *self.o.tokenizer_args])
-        eng, eng_port = self._service("engine", "engine_svc",
-                                      ["--backend", self.o.engine, "--model", str(self.o.model),
-                                       *engine_args_for(self.o.model, self.o.engine), *self.o.engine_args])
-        tok_addr, eng_addr = await asyncio.gather(self._wait_port(tok, tok_port), self._wait_port(eng, eng_port))
+        toks = [self._service(f"tokenizer{i}" if i else "tokenizer", "tokenizer_svc",
+                              ["--tokenizer", str(self.o.model), *self.o.tokenizer_args])
+                for i in range(max(1, self.o.tokenizer_replicas))]
+        eng = self._service("engine", "engine_svc",
+                            ["--backend", self.o.engine, "--model", str(self.o.model),
+                             *engine_args_for(self.o.model, self.o.engine), *self.o.engine_args])
+        *tok_addrs, eng_addr = await asyncio.gather(*(self._wait_port(*t) for t in toks), self._wait_port(*eng))
         router, router_port = self._service(
             "router", "router_svc",
-            ["--tokenizers", tok_addr, "--engines", eng_addr, "--redis-url", self.redis_url,
+            ["--tokenizers", ",".join(tok_addrs), "--engines", eng_addr, "--redis-url", self.redis_url,
              "--tenants-file", str(self._write_tenants())], port=self.o.port)
         self.router_address = await self._wait_port(router, router_port)
-        self.addresses = {"tokenizer": tok_addr, "engine": eng_addr, "router": self.router_address}
+        self.tokenizer_addresses = tok_addrs
+        self.addresses = {"tokenizer": tok_addrs[0], "engine": eng_addr, "router": self.router_address}
         self.metrics = {name: f"http://{self.o.host}:{(self.o.run_dir / f'{name}.metrics-port').read_text().strip()}"
                         "/metrics" for name in self.addresses}
         self._write_state()
@@ -157,7 +161,7 @@ class Mesh:
         with os.fdopen(fd, "w") as f:
             json.dump({"router": self.router_address, "api_key": self.api_key, "pid": os.getpid(),
                        "model": str(self.o.model), "engine": self.o.engine, "redis_url": self.redis_url,
-                       "tokenizers": [self.addresses["tokenizer"]], "engines": [self.addresses["engine"]],
+                       "tokenizers": self.tokenizer_addresses, "engines": [self.addresses["engine"]],
                        "run_dir": str(self.o.run_dir), "metrics": self.metrics}, f)
         os.replace(tmp, self.o.state_file)
 

@@ -32,7 +32,8 @@ async def _up(args: argparse.Namespace) -> int:
         model=_resolve_model(args.model), engine=args.engine, port=args.port, host=args.host,
         redis_url=args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL", ""),
         run_dir=pathlib.Path(args.run_dir), state_file=pathlib.Path(args.state_file),
-        max_in_flight=args.max_in_flight, engine_args=args.engine_arg, tokenizer_args=args.tokenizer_arg)
+        max_in_flight=args.max_in_flight, tokenizer_replicas=args.tokenizers, engine_args=args.engine_arg,
+        tokenizer_args=args.tokenizer_arg)
     mesh = Mesh(options)
     print(f"[tokenrelay] starting: model={options.model} engine={options.engine} logs={options.run_dir}/logs",
           file=sys.stderr)
@@ -120,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="router port (0 = ephemeral)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    up.add_argument("--tokenizers", type=int, default=1, help="tokenizer_svc replicas (the router spreads over them)")
     up.add_argument("--max-in-flight", type=int, default=16, help="the dev tenant's concurrency limit")
     up.add_argument("--run-dir", default=str(CACHE / "run"), help="logs, sockets, generated tenants file")
     up.add_argument("--state-file", default=str(DEFAULT_STATE))

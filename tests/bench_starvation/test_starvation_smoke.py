@@ -136,8 +136,10 @@ def test_the_bench_runs_against_the_monolith_and_a_mesh(tmp_path: pathlib.Path,
         assert row["cached_tokens"] == 0, name
         assert row["load_samples"] > row["window_s"] / result["config"]["sample_interval"] / 4, name
     assert set(rows["monolith"]["cpu_cores"]) == {"bench", "monolith", "other"}
-    assert set(rows["mesh2"]["cpu_cores"]) == {"bench", "redis", "tokenizer0", "tokenizer1", "engine", "router",
+    assert set(rows["mesh2"]["cpu_cores"]) == {"bench", "redis", "tokenizer", "tokenizer1", "engine", "router",
                                                "other"}
-    for row in rows.values():  # each process used some CPU; none more than the machine has
-        assert all(0 < cores <= (os.cpu_count() or 1) for name, cores in row["cpu_cores"].items() if name != "other")
+    for row in rows.values():  # CPU is counted in clock ticks: an idle Redis may show 0
+        ours = {name: cores for name, cores in row["cpu_cores"].items() if name != "other"}
+        assert all(0 <= cores <= (os.cpu_count() or 1) for cores in ours.values()), ours
+        assert ours["bench"] > 0 and ours.get("monolith", ours.get("engine", 0)) > 0, ours
     assert rows["mesh2"]["tokenize_p50_ms"] > 0
