@@ -30,6 +30,7 @@ from typing import Any
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import psutil  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from services.grpc_util import insecure_channel, wait_healthy  # noqa: E402
@@ -51,6 +52,12 @@ class TokenizeRow:
     ratio: float
     p50_ms: float
     p99_ms: float
+    # Tokens per CPU-second: the service process's own CPU vs the raw encoder's. On this 2-core box
+    # the bench client shares the cores with the service, which caps the wall-clock ratio; this one
+    # says what a tokenizer host with its cores to itself would get.
+    service_tok_cpu_s: float = 0.0
+    raw_tok_cpu_s: float = 0.0
+    cpu_ratio: float = 0.0
 
 
 @dataclass
@@ -74,18 +81,19 @@ def make_prompts(tok: Tokenizer, text: str, tokens: int, count: int) -> list[str
     return prompts
 
 
-def measure_raw(tok: Tokenizer, prompts: list[str], clients: int, seconds: float) -> float:
-    """Raw encode_batch_fast tokens/s with `clients` prompts per call (1 = one prompt at a time)."""
+def measure_raw(tok: Tokenizer, prompts: list[str], clients: int, seconds: float) -> tuple[float, float]:
+    """Raw encode_batch_fast (tokens/s, tokens per CPU-second) with `clients` prompts per call."""
     tok.encode_batch_fast(prompts[:clients], add_special_tokens=False)   # warm-up
-    done, i, start = 0, 0, time.perf_counter()
+    done, i, start, cpu0 = 0, 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
         batch = [prompts[(i + k) % len(prompts)] for k in range(clients)]
         i += clients
         done += sum(len(e.ids) for e in tok.encode_batch_fast(batch, add_special_tokens=False))
-    return done / (time.perf_counter() - start)
+    return done / (time.perf_counter() - start), done / max(time.process_time() - cpu0, 1e-9)
 
 
-async def measure_service(stub: Any, prompts: list[str], clients: int, seconds: float) -> tuple[float, list[float]]:
+async def measure_service(stub: Any, prompts: list[str], clients: int,
+                          seconds: float) -> tuple[float, list[float], int]:
     requests = [pb.TokenizeRequest(inputs=[pb.TokenizeInput(text=p)]) for p in prompts]
     for req in requests[:clients]:
         await stub.Tokenize(req)                                            # warm-up
@@ -105,16 +113,20 @@ async def measure_service(stub: Any, prompts: list[str], clients: int, seconds: 
 
     start = time.perf_counter()
     await asyncio.gather(*[client(k) for k in range(clients)])
-    return tokens / (time.perf_counter() - start), latencies
+    return tokens / (time.perf_counter() - start), latencies, tokens
 
 
 async def measure_point(tok: Tokenizer, stub: Any, prompts: list[str], clients: int,
-                        args: argparse.Namespace) -> TokenizeRow:
+                        args: argparse.Namespace, service_pid: int) -> TokenizeRow:
     """Raw and service measured in alternating rounds, so background load hits both alike."""
-    raws, services, ratios, latencies = [], [], [], []
+    raws, services, ratios, latencies, raw_cpu, svc_cpu = [], [], [], [], [], []
+    proc = psutil.Process(service_pid)
     for _ in range(args.rounds):
-        raw = measure_raw(tok, prompts, clients, args.seconds / args.rounds)
-        svc, lat = await measure_service(stub, prompts, clients, args.seconds / args.rounds)
+        raw, raw_per_cpu = measure_raw(tok, prompts, clients, args.seconds / args.rounds)
+        before = sum(proc.cpu_times()[:2])
+        svc, lat, tokens = await measure_service(stub, prompts, clients, args.seconds / args.rounds)
+        svc_cpu.append(tokens / max(sum(proc.cpu_times()[:2]) - before, 1e-9))
+        raw_cpu.append(raw_per_cpu)
         raws.append(raw)
         services.append(svc)
         ratios.append(svc / raw)
@@ -122,7 +134,8 @@ async def measure_point(tok: Tokenizer, stub: Any, prompts: list[str], clients: 
     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [latencies[0]] * 99
     return TokenizeRow(len(tok.encode(prompts[0], add_special_tokens=False).ids), clients, len(latencies),
                        statistics.median(services), statistics.median(raws), statistics.median(ratios),
-                       statistics.median(latencies) * 1e3, q[98] * 1e3)
+                       statistics.median(latencies) * 1e3, q[98] * 1e3, statistics.median(svc_cpu),
+                       statistics.median(raw_cpu), statistics.median(svc_cpu) / statistics.median(raw_cpu))
 
 
 async def detok_single(stub: Any, ids: list[list[int]]) -> float:
@@ -221,7 +234,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 # Many distinct prompts, so repeats do not just measure the tokenizer's word cache.
                 prompts = make_prompts(tok, text, size, max(args.clients, min(64, total_tokens // size)))
                 for clients in sorted({1, args.clients}):
-                    rows.append(await measure_point(tok, stub, prompts, clients, args))
+                    rows.append(await measure_point(tok, stub, prompts, clients, args, service.proc.pid))
             all_ids = tok.encode(text, add_special_tokens=False).ids
             seqs = [all_ids[i * args.detok_tokens:(i + 1) * args.detok_tokens] for i in range(args.detok_requests)]
             total = args.detok_requests * args.detok_tokens
@@ -239,10 +252,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(result: dict[str, Any]) -> None:
     print(f"tokenizer: {result['tokenizer']}  cores: {result['cores']}")
     print(f"{'prompt':>7} {'clients':>7} {'reqs':>6} {'service tok/s':>14} {'raw tok/s':>12} {'ratio':>6} "
-          f"{'p50 ms':>8} {'p99 ms':>8}")
+          f"{'p50 ms':>8} {'p99 ms':>8} {'svc tok/CPU-s':>14} {'raw tok/CPU-s':>14} {'CPU ratio':>9}")
     for r in result["tokenize"]:
         print(f"{r['prompt_tokens']:>7} {r['clients']:>7} {r['requests']:>6} {r['service_tok_s']:>14,.0f} "
-              f"{r['raw_tok_s']:>12,.0f} {r['ratio']:>6.2f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}")
+              f"{r['raw_tok_s']:>12,.0f} {r['ratio']:>6.2f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+              f"{r['service_tok_cpu_s']:>14,.0f} {r['raw_tok_cpu_s']:>14,.0f} {r['cpu_ratio']:>9.2f}")
     print(f"\n{'detokenize':>20} {'requests':>9} {'tokens/req':>10} {'messages':>9} {'tok/s':>10} {'s':>6}")
     for r in result["detokenize"]:
         print(f"{r['mode']:>20} {r['requests']:>9} {r['tokens_per_request']:>10} {r['messages_in']:>9} "
