@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import structlog
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
 from services.errors import (
@@ -27,7 +28,7 @@ from services.errors import (
 )
 from services.logging import get_logger
 from services.mux import StreamBroken
-from services.tracing import inject, trace_id_hex, tracer
+from services.tracing import inject, tracer
 
 from .admission import Admission, LeaseKeeper
 from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
@@ -52,6 +53,7 @@ class _Live:
     tenant: str
     replica: EngineReplica | None = None
     cancelled: bool = False
+    trace_ctx: Context | None = None
 
 
 def _engine_error(chunk: EngineChunk) -> TokenrelayError:
@@ -101,32 +103,36 @@ class Router:
         request_id = inp.request_id or uuid.uuid4().hex
         inp.request_id = request_id
         metrics = RequestMetrics(tenant.name, inp.priority or tenant.default_priority)
-        with _tracer.start_as_current_span("tokenrelay.generate", attributes={
-                "tokenrelay.request_id": request_id, "tokenrelay.tenant": tenant.name}) as span:
-            structlog.contextvars.bind_contextvars(request_id=request_id, tenant=tenant.name,
-                                                   trace_id=trace_id_hex())
-            IN_FLIGHT.labels(tenant.name).inc()
-            finished = False
-            try:
-                async for event in self._generate(tenant, inp, deadline, metrics):
-                    finished = isinstance(event, Done)
-                    yield event
-            except TokenrelayError as exc:
-                metrics.failed("error", exc.reason)
-                span.set_status(Status(StatusCode.ERROR, exc.reason))
-                log.info("request_failed", reason=exc.reason, message=exc.message)
-                raise
-            except (asyncio.CancelledError, GeneratorExit):
-                if not finished:  # a consumer closing us after `done` is not a cancellation
-                    metrics.failed("cancelled", "CLIENT_CANCELLED")
-                    log.info("request_cancelled_by_client")
-                raise
-            finally:
-                IN_FLIGHT.labels(tenant.name).dec()
-                structlog.contextvars.unbind_contextvars("request_id", "tenant", "trace_id")
+        # The root span is never made "current": this generator yields, and a context attached here
+        # would be detached by whichever task closes it. Children get the context explicitly.
+        span = _tracer.start_span("tokenrelay.generate", attributes={
+            "tokenrelay.request_id": request_id, "tokenrelay.tenant": tenant.name})
+        rctx = trace.set_span_in_context(span)
+        structlog.contextvars.bind_contextvars(request_id=request_id, tenant=tenant.name,
+                                               trace_id=format(span.get_span_context().trace_id, "032x"))
+        IN_FLIGHT.labels(tenant.name).inc()
+        finished = False
+        try:
+            async for event in self._generate(tenant, inp, deadline, metrics, rctx):
+                finished = isinstance(event, Done)
+                yield event
+        except TokenrelayError as exc:
+            metrics.failed("error", exc.reason)
+            span.set_status(Status(StatusCode.ERROR, exc.reason))
+            log.info("request_failed", reason=exc.reason, message=exc.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:  # a consumer closing us after `done` is not a cancellation
+                metrics.failed("cancelled", "CLIENT_CANCELLED")
+                log.info("request_cancelled_by_client")
+            raise
+        finally:
+            IN_FLIGHT.labels(tenant.name).dec()
+            structlog.contextvars.unbind_contextvars("request_id", "tenant", "trace_id")
+            span.end()
 
     async def _generate(self, tenant: Tenant, inp: GenerateInput, deadline: float | None,
-                        metrics: RequestMetrics) -> AsyncIterator[Event]:
+                        metrics: RequestMetrics, rctx: Context) -> AsyncIterator[Event]:
         t0 = time.monotonic()
         validate_input(inp, self.tokenizer.meta)
         tenant.check_model(inp.model)
@@ -135,16 +141,16 @@ class Router:
         if request_id in self._live:
             raise InvalidArgument(f"request id {request_id!r} is already in flight", "DUPLICATE_REQUEST_ID")
         remaining = (deadline - time.monotonic()) if deadline else self.request_timeout
-        with _tracer.start_as_current_span("tokenize"):
+        with _tracer.start_as_current_span("tokenize", context=rctx):
             ids = await self.prompt_ids(tenant, inp, remaining)
         t_tok = time.monotonic()
         check_lengths(ids, inp.sampling, tenant, self._max_context())
-        live = self._live[request_id] = _Live(tenant.name)
+        live = self._live[request_id] = _Live(tenant.name, trace_ctx=rctx)
         try:
             yield Accepted(request_id, len(ids))
             QUEUED.labels(tenant.name).inc()
             try:
-                with _tracer.start_as_current_span("queue_wait"):
+                with _tracer.start_as_current_span("queue_wait", context=rctx):
                     await self.admission.acquire(tenant.name, request_id, tenant.max_in_flight)
             finally:
                 QUEUED.labels(tenant.name).dec()
@@ -164,7 +170,7 @@ class Router:
                    live: _Live, timings: Timings, t0: float, metrics: RequestMetrics) -> AsyncIterator[Event]:
         eos = list(self.tokenizer.meta.eos_token_ids) if self.tokenizer.meta else []
         detok = self.tokenizer.detokenizer(request_id)
-        detok.start(inp.sampling.stop, inp.sampling.include_stop_str, ids[-_DETOK_CONTEXT:], inject())
+        detok.start(inp.sampling.stop, inp.sampling.include_stop_str, ids[-_DETOK_CONTEXT:], inject(live.trace_ctx))
         generated: list[int] = []
         usage = Usage(prompt_tokens=len(ids))
         state = {"engine_done": False, "flushed": False}
@@ -231,19 +237,19 @@ class Router:
         phase = None
         try:
             while True:
-                with _tracer.start_as_current_span("route") as route_span:
+                with _tracer.start_as_current_span("route", context=live.trace_ctx) as route_span:
                     replica = self.engines.pick(inp.session_id, frozenset(tried))
                     route_span.set_attribute("tokenrelay.replica", replica.address)
                 live.replica = replica
                 tried.add(replica.address)
-                phase = _tracer.start_span("prefill")
+                phase = _tracer.start_span("prefill", context=live.trace_ctx)
                 ctx = trace.set_span_in_context(phase)
                 queue = replica.submit(request_id, ids, inp.sampling, eos, tenant.name, inject(ctx))
                 while True:
                     chunk = await queue.get()
                     if not isinstance(chunk, StreamBroken) and chunk.token_ids and phase.name == "prefill":
                         phase.end()
-                        phase = _tracer.start_span("decode")
+                        phase = _tracer.start_span("decode", context=live.trace_ctx)
                     if isinstance(chunk, StreamBroken):
                         replica.release(request_id)
                         if generated or len(tried) >= self.engine_attempts or live.cancelled:
