@@ -99,11 +99,6 @@ def extract(carrier: Mapping[str, str]) -> otel_context.Context:
     return propagate.extract(dict(carrier))
 
 
-def trace_id_hex() -> str:
-    ctx = trace.get_current_span().get_span_context()
-    return format(ctx.trace_id, "032x") if ctx.is_valid else ""
-
-
 def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
     return (*extra, *inject().items())
 
