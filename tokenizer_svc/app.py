@@ -8,6 +8,7 @@ seconds, then the encoder's and detokenizer's thread pools are closed.
 from __future__ import annotations
 
 import asyncio
+import os
 
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import get_logger
@@ -59,6 +60,8 @@ class TokenizerApp:
 
     async def start(self) -> None:
         s = self.settings
+        # Read by the tokenizers library at each batch call (process-wide).
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if s.library_parallelism else "false"
         # Parsing a large tokenizer.json takes a while: keep the loop free (signals, health).
         loaded, template = await asyncio.to_thread(load_domain, s)
         self.encoder = Encoder(loaded, template, encoder_limits(s, loaded), workers=s.effective_workers(),

@@ -61,6 +61,7 @@ class Batcher(Generic[J, R]):
     async def start(self) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix=self._name)
         self._slots = asyncio.Semaphore(self.workers)
+        self._idle = self.workers
         self._dispatcher = asyncio.create_task(self._dispatch(), name=f"{self._name}-dispatch")
 
     async def close(self) -> None:
@@ -102,6 +103,7 @@ class Batcher(Generic[J, R]):
             if not batch:
                 self._slots.release()
                 continue
+            self._idle -= 1
             run = loop.run_in_executor(self._executor, self._run, [entry.job for entry in batch])
             run.add_done_callback(lambda f, b=batch: self._finish(b, f))  # type: ignore[misc]
 
@@ -109,6 +111,9 @@ class Batcher(Generic[J, R]):
         """The first job plus whatever else is queued, up to max_batch in size; cancelled jobs dropped."""
         batch: list[_Job[J, R]] = []
         size = 0
+        # Leave work for idle workers: split what is queued evenly over this worker and the idle ones
+        # (with the library's own thread pool off, a worker thread is the unit of parallelism).
+        jobs = -(-(self._queue.qsize() + 1) // max(1, self._idle))
         entry: _Job[J, R] | None = first
         while entry is not None:
             if entry.future.done():
@@ -116,7 +121,8 @@ class Batcher(Generic[J, R]):
             else:
                 batch.append(entry)
                 size += entry.size
-            entry = self._queue.get_nowait() if size < self.max_batch and not self._queue.empty() else None
+            more = size < self.max_batch and len(batch) < jobs and not self._queue.empty()
+            entry = self._queue.get_nowait() if more else None
         return batch
 
     def _run(self, jobs: list[J]) -> Sequence[R | BaseException]:
@@ -128,6 +134,7 @@ class Batcher(Generic[J, R]):
     def _finish(self, batch: list[_Job[J, R]], run: asyncio.Future[Any]) -> None:
         assert self._slots is not None
         self._slots.release()
+        self._idle += 1
         self.batches_run += 1
         self._pending -= sum(entry.size for entry in batch)
         error = None if run.cancelled() else run.exception()
