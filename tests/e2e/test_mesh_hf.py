@@ -172,3 +172,14 @@ async def test_chat_two_turns_sticky(hf_mesh, model_dir):
         assert after - before >= first.finished.prompt_tokens // 2
     else:
         assert after == before
+
+
+async def test_api_keys_never_reach_the_logs(hf_mesh):
+    """Runs last in this module: every request above (good and bad keys) has been logged by now."""
+    logs = pathlib.Path(hf_mesh.state["run_dir"]) / "logs"
+    texts = {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")}
+    assert {"router.log", "tokenizer.log", "engine.log"} <= set(texts)
+    assert "request_done" in texts["router.log"]  # the router does log requests...
+    for name, text in texts.items():  # ...but never a key, valid or not
+        assert hf_mesh.api_key not in text, name
+        assert "wrong-key" not in text, name
