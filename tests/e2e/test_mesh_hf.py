@@ -64,6 +64,22 @@ async def test_health_and_stream_with_usage(hf_mesh, model_dir):
     assert 0 < done.ttft_seconds <= done.total_seconds
 
 
+def test_every_service_serves_reflection_and_health(hf_mesh):
+    """grpcurl and Kubernetes probes work out of the box: reflection lists each service's API."""
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    expected = {"router": "tokenrelay.v1.Inference", "tokenizers": "tokenrelay.v1.Tokenizer",
+                "engines": "tokenrelay.v1.Engine"}
+    for key, service in expected.items():
+        address = hf_mesh.state[key] if key == "router" else hf_mesh.state[key][0]
+        with grpc.insecure_channel(address) as channel:
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+            assert {service, "grpc.health.v1.Health"} <= services, (key, services)
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
 async def test_greedy_output_equals_transformers_generate(hf_mesh, model_dir):
     n = 20
     ids, expected = await asyncio.to_thread(_hf_reference, model_dir, PROMPT, n)
