@@ -28,6 +28,8 @@ class TokenizerSettings:
                                               "per token at 16 concurrent 2k-token calls)")
     max_batch: int = setting(64, "most inputs in one Tokenize call, and the batch size aimed for")
     max_pending: int = setting(4096, "inputs queued or running before Tokenize answers UNAVAILABLE/OVERLOADED")
+    max_pending_bytes: int = setting(32 << 20, "text (UTF-8 bytes) queued or being encoded before Tokenize "
+                                               "answers UNAVAILABLE/OVERLOADED at once; 0 = no byte limit")
     max_input_bytes: int = setting(4 << 20, "largest input in UTF-8 bytes (INPUT_TOO_LARGE beyond)")
     max_input_tokens: int = setting(0, "most tokens per input (PROMPT_TOO_LONG beyond); 0 = the model's "
                                        "context length when known, else no limit; -1 = no limit")

@@ -10,6 +10,8 @@ Semantics (documented for clients):
 * Limits: an input over `max_input_bytes` UTF-8 bytes is `INPUT_TOO_LARGE` (checked before any
   work is queued); one that encodes to more than `max_input_tokens` ids is `PROMPT_TOO_LONG`.
   One bad input fails its whole call, never the other calls batched with it.
+* Overload: more than `max_pending` inputs, or more than `max_pending_bytes` of text, queued or
+  being encoded → `UNAVAILABLE/OVERLOADED` at once (with a retry hint), never a late timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
-from services.errors import InvalidArgument, TokenrelayError
+from services.errors import InvalidArgument, TokenrelayError, Unavailable
 from services.tracing import tracer
 from tokenizer_svc import metrics
 from tokenizer_svc.batcher import Batcher
@@ -64,6 +66,9 @@ class EncoderLimits:
     max_batch: int = 64             # inputs per call, and the batch size the batcher aims for
     max_pending: int = 4096         # inputs queued or running before calls are rejected
     max_input_bytes: int = 4 << 20  # per input, UTF-8
+    # Text queued or being encoded before calls are rejected OVERLOADED (0 = no byte limit). The
+    # default is a few seconds of encoding on two cores; a call is never refused on an idle encoder.
+    max_pending_bytes: int = 32 << 20
     max_input_tokens: int = 0       # per input; 0 = no limit
 
 
@@ -75,6 +80,7 @@ class Encoder:
         self.tokenizer = tokenizer
         self.template = template
         self.limits = limits
+        self.pending_bytes = 0
         self.chat_cache = ChatPrefixCache(tokenizer.tokenizer, chat_cache_tokens) if chat_cache_tokens > 0 else None
         self.batcher: Batcher[_Call, Any] = Batcher(
             self._encode_jobs, workers=workers, max_batch=limits.max_batch,
@@ -93,21 +99,35 @@ class Encoder:
         with _tracer.start_as_current_span("tokenizer.tokenize", kind=SpanKind.SERVER,
                                            attributes={"tokenrelay.inputs": len(inputs)}):
             try:
-                checked = self._validate(inputs)
-                result = await self.batcher.submit(_Call(checked, finish), size=len(checked))
+                checked, nbytes = self._validate(inputs)
+                self._admit_bytes(nbytes)
+                try:
+                    result = await self.batcher.submit(_Call(checked, finish), size=len(checked))
+                finally:
+                    self.pending_bytes -= nbytes
             except TokenrelayError as exc:
                 metrics.count_rejection(exc.reason)
                 raise
         metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - start)
         return result
 
-    def _validate(self, inputs: Sequence[EncodeInput | None]) -> list[EncodeInput]:
+    def _admit_bytes(self, nbytes: int) -> None:
+        """Reject at once, rather than time out later, when the queued text is already too much:
+        the input count alone says little when one input can be 32k tokens."""
+        limit = self.limits.max_pending_bytes
+        if limit and self.pending_bytes and self.pending_bytes + nbytes > limit:
+            raise Unavailable(f"tokenizer overloaded: {self.pending_bytes} bytes of text queued",
+                              "OVERLOADED", retry_after=1.0)
+        self.pending_bytes += nbytes
+
+    def _validate(self, inputs: Sequence[EncodeInput | None]) -> tuple[list[EncodeInput], int]:
         if not inputs:
             raise InvalidArgument("no inputs", "EMPTY_INPUT")
         if len(inputs) > self.limits.max_batch:
             raise InvalidArgument(f"{len(inputs)} inputs in one call; at most {self.limits.max_batch}",
                                   "BATCH_TOO_LARGE")
         checked: list[EncodeInput] = []
+        total = 0
         for index, item in enumerate(inputs):
             if item is None:
                 raise InvalidArgument(f"input {index} has neither text nor chat", "EMPTY_INPUT")
@@ -116,7 +136,8 @@ class Encoder:
                 raise InvalidArgument(f"input {index} is {size} bytes; at most {self.limits.max_input_bytes}",
                                       "INPUT_TOO_LARGE")
             checked.append(item)
-        return checked
+            total += size
+        return checked, total
 
     def _input_bytes(self, index: int, item: EncodeInput) -> int:
         if isinstance(item, TextInput):

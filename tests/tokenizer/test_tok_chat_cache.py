@@ -123,3 +123,4 @@ async def test_encoder_uses_the_cache_and_falls_back_safely(tiny_bl, monkeypatch
         assert ids == _full(tiny_bl.tokenizer, template.render(messages, True))
     finally:
         await encoder.close()
+

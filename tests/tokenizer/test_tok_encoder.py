@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 from tok_artefacts import SAMPLES
 
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, Unavailable
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.encoder import ChatInput, Encoder, EncoderLimits, TextInput
 from tokenizer_svc.loader import LoadedTokenizer
@@ -47,5 +48,24 @@ async def test_token_limit_fails_only_the_offending_call(tiny_sp: LoadedTokenize
         with pytest.raises(InvalidArgument) as info:
             await encoder.tokenize([ChatInput([{"role": "user", "content": "x"}])])
         assert info.value.reason == "NO_CHAT_TEMPLATE"
+    finally:
+        await encoder.close()
+
+
+async def test_queued_text_beyond_the_byte_budget_is_refused_at_once(tiny_bl):
+
+    encoder = Encoder(tiny_bl, None, EncoderLimits(max_pending_bytes=100), workers=1)
+    await encoder.start()
+    try:
+        # Idle: one call above the budget is still served (a budget never starves a lone caller).
+        (big,) = await encoder.tokenize([TextInput("word " * 40)])
+        assert big
+        # Busy: while 80 bytes are queued, another 80 would exceed 100 and is refused immediately.
+        results = await asyncio.gather(encoder.tokenize([TextInput("a" * 80)]),
+                                       encoder.tokenize([TextInput("b" * 80)]), return_exceptions=True)
+        assert isinstance(results[0], list)
+        assert isinstance(results[1], Unavailable) and results[1].reason == "OVERLOADED"
+        assert results[1].retry_after is not None
+        assert encoder.pending_bytes == 0  # released when calls finish or fail
     finally:
         await encoder.close()
