@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +27,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_svc import telemetry
-from engine_svc.app import start_engine, start_metrics
+from engine_svc.app import start_metrics
 from engine_svc.backends.base import FinishReason, GenerationEvent
 from engine_svc.backends.sim import SimBackend, SimConfig
 from engine_svc.config import EngineSettings
@@ -39,9 +39,6 @@ from tests.engine.engine_testkit import Collector, StreamClient, engine_request,
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 P = "tokenrelay_engine_"
-FAST = dict(sim_prefill_time_per_token=0.0, sim_decode_step_time=0.0, sim_decode_time_per_seq=0.0,
-            sim_vocab_size=1000, sim_num_blocks=512, sim_tokens_per_block=4, sim_max_context=512,
-            sim_max_batch_size=16)
 _REASON = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
            common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
 
@@ -64,25 +61,6 @@ def metrics_port(tmp_path_factory: pytest.TempPathFactory) -> int:
     port = start_metrics(EngineSettings(metrics_port=0, metrics_port_file=str(port_file)))
     assert port > 0 and int(port_file.read_text()) == port
     return port
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Callable[..., Any]]:
-    """Start in-process engine servers; yields a factory returning (stub, engine)."""
-    running: list[Any] = []
-
-    async def start(**overrides: Any) -> tuple[engine_pb2_grpc.EngineStub, Any]:
-        engine, server = await start_engine(EngineSettings(**{**FAST, **overrides}))
-        channel = insecure_channel(server.address)
-        running.append((engine, server, channel))
-        await wait_healthy(server.address, timeout=10)
-        return engine_pb2_grpc.EngineStub(channel), engine
-
-    yield start
-    for engine, server, channel in running:
-        await channel.close()
-        await server.stop(0)
-        await engine.close()
 
 
 class Scrape:
