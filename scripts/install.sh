@@ -16,3 +16,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
 "$PY" -m pip install -q --disable-pip-version-check -e ".[hf,default-model,bench,dev]"
+# pyenv only exposes new console scripts (`tokenrelay`) after a rehash.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
+if ! command -v tokenrelay >/dev/null 2>&1; then
+  echo "note: 'tokenrelay' is not on PATH; use '$PY -m services.cli.main' or add $("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))') to PATH" >&2
+fi
