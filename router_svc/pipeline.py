@@ -49,6 +49,15 @@ _DETOK_CONTEXT = 8
 
 
 @dataclass
+class _RunState:
+    """What the engine pump and the delta loop of one request share."""
+
+    engine_done: bool = False
+    flushed: bool = False
+    reason: str = "length"
+
+
+@dataclass
 class _Live:
     tenant: str
     replica: EngineReplica | None = None
@@ -173,7 +182,7 @@ class Router:
         detok.start(inp.sampling.stop, inp.sampling.include_stop_str, ids[-_DETOK_CONTEXT:], inject(live.trace_ctx))
         generated: list[int] = []
         usage = Usage(prompt_tokens=len(ids))
-        state = {"engine_done": False, "flushed": False}
+        state = _RunState()
         pump = asyncio.create_task(self._pump(request_id, tenant, inp, ids, eos, live, detok, generated,
                                               usage, state))
         emitted = counted = 0
@@ -198,7 +207,7 @@ class Router:
                     counted = len(generated)
                     yield Delta(out.text, new_ids)
                 if out.finished:
-                    state["flushed"] = True
+                    state.flushed = True
                     break
             if out.matched_stop:
                 usage.completion_tokens = out.tokens_consumed
@@ -206,7 +215,7 @@ class Router:
             else:
                 await pump  # the engine finished: its last chunk set the reason
                 usage.completion_tokens = len(generated)
-                reason, stop_reason = state.get("reason", "length"), ""  # type: ignore[assignment]
+                reason, stop_reason = state.reason, ""
                 if live.cancelled:
                     reason = "cancelled"
             now = time.monotonic()
@@ -223,18 +232,19 @@ class Router:
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump
-            if not state["engine_done"] and live.replica is not None:
+            if not state.engine_done and live.replica is not None:
                 live.replica.abort(request_id)
             if live.replica is not None:
                 live.replica.release(request_id)
-            detok.close(flushed=state["flushed"])
+            detok.close(flushed=state.flushed)
 
     async def _pump(self, request_id: str, tenant: Tenant, inp: GenerateInput, ids: list[int],
                     eos: list[int], live: _Live, detok: DetokSession, generated: list[int],
-                    usage: Usage, state: dict[str, object]) -> None:
+                    usage: Usage, state: _RunState) -> None:
         """Engine → detokenizer. Retries on another replica if the engine fails before any token."""
         tried: set[str] = set()
         phase = None
+        prefilling = False
         try:
             while True:
                 with _tracer.start_as_current_span("route", context=live.trace_ctx) as route_span:
@@ -242,14 +252,14 @@ class Router:
                     route_span.set_attribute("tokenrelay.replica", replica.address)
                 live.replica = replica
                 tried.add(replica.address)
-                phase = _tracer.start_span("prefill", context=live.trace_ctx)
+                phase, prefilling = _tracer.start_span("prefill", context=live.trace_ctx), True
                 ctx = trace.set_span_in_context(phase)
                 queue = replica.submit(request_id, ids, inp.sampling, eos, tenant.name, inject(ctx))
                 while True:
                     chunk = await queue.get()
-                    if not isinstance(chunk, StreamBroken) and chunk.token_ids and phase.name == "prefill":
+                    if prefilling and not isinstance(chunk, StreamBroken) and chunk.token_ids:
                         phase.end()
-                        phase = _tracer.start_span("decode", context=live.trace_ctx)
+                        phase, prefilling = _tracer.start_span("decode", context=live.trace_ctx), False
                     if isinstance(chunk, StreamBroken):
                         replica.release(request_id)
                         if generated or len(tried) >= self.engine_attempts or live.cancelled:
@@ -258,14 +268,14 @@ class Router:
                         log.warning("engine_retry", request_id=request_id, failed=replica.address)
                         break
                     if chunk.error_reason:
-                        state["engine_done"] = True
+                        state.engine_done = True
                         raise _engine_error(chunk)
                     if chunk.cached_tokens:
                         usage.cached_tokens = chunk.cached_tokens
                     generated.extend(chunk.token_ids)
                     if chunk.finished:
-                        state["engine_done"] = True
-                        state["reason"] = chunk.finish_reason or "length"
+                        state.engine_done = True
+                        state.reason = chunk.finish_reason or "length"
                     detok.send(chunk.token_ids, final=chunk.finished)
                     if chunk.finished:
                         return

@@ -40,7 +40,8 @@ FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REA
 __all__ = ["Accepted", "Cancelled", "ChatSession", "Client", "Completion", "DeadlineExceeded",
            "Finished", "InvalidArgument", "PermissionDenied", "ResourceExhausted", "Sampling", "TextDelta",
            "TokenrelayError", "Unauthenticated", "Unavailable", "collect"]
-PRIORITIES = {"": 0, "low": 1, "normal": 2, "high": 3}
+PRIORITIES = {"": common_pb2.PRIORITY_UNSPECIFIED, "low": common_pb2.PRIORITY_LOW,
+              "normal": common_pb2.PRIORITY_NORMAL, "high": common_pb2.PRIORITY_HIGH}
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class ChatSession:
     """A bidirectional chat stream. Use as `async with client.chat() as chat:`."""
 
     def __init__(self, stub: inference_pb2_grpc.InferenceStub, metadata: Any, session_id: str,
-                 system: str | None, priority: int) -> None:
+                 system: str | None, priority: common_pb2.Priority) -> None:
         self._stub = stub
         self._metadata = metadata
         self._outbox: asyncio.Queue[inference_pb2.ChatRequest | None] = asyncio.Queue()

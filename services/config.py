@@ -57,7 +57,7 @@ def parse_settings(cls: type[T], argv: Sequence[str] | None, *, prog: str, env_p
     fields = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
     for f in fields:
         env = env_prefix + f.name.upper()
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata.get('help', '')} [env {env}]".replace("%", "%%")  # argparse %-formats help
         if _base_type(hints[f.name]) is bool:
@@ -70,14 +70,14 @@ def parse_settings(cls: type[T], argv: Sequence[str] | None, *, prog: str, env_p
     values: dict[str, Any] = {}
     for f in fields:
         flag_value = getattr(ns, f.name)
-        env = os.environ.get(env_prefix + f.name.upper())
+        env_value = os.environ.get(env_prefix + f.name.upper())
         try:
             if isinstance(flag_value, bool):
                 values[f.name] = flag_value
             elif flag_value is not None:
                 values[f.name] = _convert(hints[f.name], flag_value)
-            elif env is not None:
-                values[f.name] = _convert(hints[f.name], env)
+            elif env_value is not None:
+                values[f.name] = _convert(hints[f.name], env_value)
         except ValueError as exc:
             parser.error(f"{f.name}: {exc}")
     return cls(**values)

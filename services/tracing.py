@@ -41,7 +41,7 @@ class JsonlSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = []
         for span in spans:
-            ctx, parent = span.get_span_context(), span.parent
+            ctx, parent = span.context, span.parent
             lines.append(json.dumps({
                 "name": span.name, "trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x"),
                 "parent_id": format(parent.span_id, "016x") if parent else None,

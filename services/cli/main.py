@@ -7,6 +7,7 @@ import asyncio
 import os
 import pathlib
 import sys
+from typing import Any
 
 from services.bench.cli import add_bench_parser, run_bench
 from services.errors import TokenrelayError
@@ -63,7 +64,7 @@ def _connection(args: argparse.Namespace) -> tuple[str, str]:
     return args.address or state["router"], args.api_key or os.environ.get("TOKENRELAY_API_KEY") or state["api_key"]
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, object]:
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed, "stop": args.stop or ()}
 
