@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
+from router_svc.tokenize_batch import TokenizeCoalescer  # noqa: E402
 from services.grpc_util import insecure_channel, wait_healthy  # noqa: E402
 from services.proto.tokenrelay.v1 import tokenizer_pb2 as pb  # noqa: E402
 from services.proto.tokenrelay.v1 import tokenizer_pb2_grpc  # noqa: E402
@@ -44,6 +45,7 @@ DEFAULT_TOKENIZER = SHARED / "tokenizers" / "gpt2" / "tokenizer.json"
 
 @dataclass
 class TokenizeRow:
+    mode: str  # "direct": a Tokenize call per request; "coalesced": the router's batching client
     prompt_tokens: int
     clients: int
     requests: int
@@ -116,15 +118,43 @@ async def measure_service(stub: Any, prompts: list[str], clients: int,
     return tokens / (time.perf_counter() - start), latencies, tokens
 
 
+async def measure_coalesced(stub: Any, prompts: list[str], clients: int,
+                            seconds: float) -> tuple[float, list[float], int]:
+    """As `measure_service`, through the router's TokenizeCoalescer (many requests per call)."""
+    coalescer = TokenizeCoalescer(stub, timeout=60)
+    inputs = [pb.TokenizeInput(text=p) for p in prompts]
+    latencies: list[float] = []
+    tokens = 0
+    end = time.perf_counter() + seconds
+
+    async def client(index: int) -> None:
+        nonlocal tokens
+        i = index
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            ids = await coalescer.tokenize(inputs[i % len(inputs)], 60)
+            latencies.append(time.perf_counter() - t0)
+            tokens += len(ids)
+            i += clients
+
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*[client(k) for k in range(clients)])
+        return tokens / (time.perf_counter() - start), latencies, tokens
+    finally:
+        await coalescer.close()
+
+
 async def measure_point(tok: Tokenizer, stub: Any, prompts: list[str], clients: int,
-                        args: argparse.Namespace, service_pid: int) -> TokenizeRow:
+                        args: argparse.Namespace, service_pid: int, mode: str = "direct") -> TokenizeRow:
     """Raw and service measured in alternating rounds, so background load hits both alike."""
     raws, services, ratios, latencies, raw_cpu, svc_cpu = [], [], [], [], [], []
     proc = psutil.Process(service_pid)
     for _ in range(args.rounds):
         raw, raw_per_cpu = measure_raw(tok, prompts, clients, args.seconds / args.rounds)
         before = sum(proc.cpu_times()[:2])
-        svc, lat, tokens = await measure_service(stub, prompts, clients, args.seconds / args.rounds)
+        measure = measure_coalesced if mode == "coalesced" else measure_service
+        svc, lat, tokens = await measure(stub, prompts, clients, args.seconds / args.rounds)
         svc_cpu.append(tokens / max(sum(proc.cpu_times()[:2]) - before, 1e-9))
         raw_cpu.append(raw_per_cpu)
         raws.append(raw)
@@ -132,7 +162,7 @@ async def measure_point(tok: Tokenizer, stub: Any, prompts: list[str], clients: 
         ratios.append(svc / raw)
         latencies.extend(lat)
     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [latencies[0]] * 99
-    return TokenizeRow(len(tok.encode(prompts[0], add_special_tokens=False).ids), clients, len(latencies),
+    return TokenizeRow(mode, len(tok.encode(prompts[0], add_special_tokens=False).ids), clients, len(latencies),
                        statistics.median(services), statistics.median(raws), statistics.median(ratios),
                        statistics.median(latencies) * 1e3, q[98] * 1e3, statistics.median(svc_cpu),
                        statistics.median(raw_cpu), statistics.median(svc_cpu) / statistics.median(raw_cpu))
@@ -235,6 +265,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 prompts = make_prompts(tok, text, size, max(args.clients, min(64, total_tokens // size)))
                 for clients in sorted({1, args.clients}):
                     rows.append(await measure_point(tok, stub, prompts, clients, args, service.proc.pid))
+                rows.append(await measure_point(tok, stub, prompts, args.clients, args, service.proc.pid,
+                                                mode="coalesced"))
             all_ids = tok.encode(text, add_special_tokens=False).ids
             seqs = [all_ids[i * args.detok_tokens:(i + 1) * args.detok_tokens] for i in range(args.detok_requests)]
             total = args.detok_requests * args.detok_tokens
@@ -251,10 +283,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"tokenizer: {result['tokenizer']}  cores: {result['cores']}")
-    print(f"{'prompt':>7} {'clients':>7} {'reqs':>6} {'service tok/s':>14} {'raw tok/s':>12} {'ratio':>6} "
+    print(f"{'mode':>9} {'prompt':>7} {'clients':>7} {'reqs':>6} {'service tok/s':>14} {'raw tok/s':>12} {'ratio':>6} "
           f"{'p50 ms':>8} {'p99 ms':>8} {'svc tok/CPU-s':>14} {'raw tok/CPU-s':>14} {'CPU ratio':>9}")
     for r in result["tokenize"]:
-        print(f"{r['prompt_tokens']:>7} {r['clients']:>7} {r['requests']:>6} {r['service_tok_s']:>14,.0f} "
+        print(f"{r['mode']:>9} {r['prompt_tokens']:>7} {r['clients']:>7} {r['requests']:>6} "
+              f"{r['service_tok_s']:>14,.0f} "
               f"{r['raw_tok_s']:>12,.0f} {r['ratio']:>6.2f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
               f"{r['service_tok_cpu_s']:>14,.0f} {r['raw_tok_cpu_s']:>14,.0f} {r['cpu_ratio']:>9.2f}")
     print(f"\n{'detokenize':>20} {'requests':>9} {'tokens/req':>10} {'messages':>9} {'tok/s':>10} {'s':>6}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from services.errors import Unavailable, from_rpc_error
+from services.errors import DeadlineExceeded, Unavailable, from_rpc_error
 from services.grpc_util import insecure_channel
 from services.logging import get_logger
 from services.mux import MuxClient, StreamBroken
@@ -28,8 +28,8 @@ from services.proto.tokenrelay.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.tracing import outgoing_metadata
 
+from .tokenize_batch import TokenizeCoalescer
 from .types import DetokOut, EngineChunk, Sampling, TokenizerMeta
 
 log = get_logger(__name__)
@@ -105,6 +105,7 @@ class TokenizerUpstream:
         self._muxes: list[MuxClient[DetokOut]] = [
             MuxClient(f"detok-{a}", stub.Detokenize, _detok_build, _detok_split)
             for a, stub in zip(addresses, self._stubs, strict=True)]
+        self._batchers = [TokenizeCoalescer(stub, timeout) for stub in self._stubs]
         self.meta: TokenizerMeta | None = None
 
     async def info(self) -> TokenizerMeta:
@@ -128,20 +129,18 @@ class TokenizerUpstream:
         else:
             item = tokenizer_pb2.TokenizeInput(text=text or "", add_special_tokens=True)
         index = zlib.crc32(cache_key.encode()) % len(self._stubs) if cache_key else next(self._rr)
-        stub = self._stubs[index]
         try:
-            resp = await stub.Tokenize(tokenizer_pb2.TokenizeRequest(inputs=[item]),
-                                       timeout=min(filter(None, (timeout, self._timeout))),
-                                       metadata=outgoing_metadata())
-        except grpc.aio.AioRpcError as exc:
-            raise _rpc(exc, "tokenizer") from exc
-        return list(resp.results[0].ids)
+            return await self._batchers[index].tokenize(item, min(filter(None, (timeout, self._timeout))))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded("tokenization did not finish in time", "TOKENIZE_TIMEOUT") from None
 
     def detokenizer(self, request_id: str) -> DetokSession:
         mux = min(self._muxes, key=lambda m: m.open_requests)
         return DetokSession(mux, request_id)
 
     async def close(self) -> None:
+        for batcher in self._batchers:
+            await batcher.close()
         for mux in self._muxes:
             await mux.close()
         for channel in self._channels:

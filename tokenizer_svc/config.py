@@ -22,10 +22,10 @@ class TokenizerSettings:
     chat_template: str = setting("", "chat template override: a file path, one of the model's named "
                                      "templates, or a built-in name (chatml, gemma)")
     workers: int = setting(0, "tokenize worker threads (0 = number of cores)")
-    library_parallelism: bool = setting(False, "let the tokenizers library spread each batch over its own "
-                                              "thread pool; off = the worker threads are the parallelism (its "
-                                              "pool spins between many small batches: measured ~15% more CPU "
-                                              "per token at 16 concurrent 2k-token calls)")
+    library_parallelism: bool = setting(True, "let the tokenizers library spread each batch over its own "
+                                             "thread pool (best for batched calls, which is what the router "
+                                             "sends); off = only the worker threads run in parallel, ~10% "
+                                             "better for many single-input calls (docs/benchmarks.md)")
     max_batch: int = setting(64, "most inputs in one Tokenize call, and the batch size aimed for")
     max_pending: int = setting(4096, "inputs queued or running before Tokenize answers UNAVAILABLE/OVERLOADED")
     max_pending_bytes: int = setting(32 << 20, "text (UTF-8 bytes) queued or being encoded before Tokenize "
