@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.errors import TokenrelayError, from_rpc_error
+from services.errors import TokenrelayError, Unavailable, from_rpc_error
 from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tracing import inject
 
@@ -41,6 +41,7 @@ class TokenizeCoalescer:
         self._waiting: list[_Waiting] = []
         self._wake = asyncio.Event()
         self._sender: asyncio.Task[None] | None = None
+        self._in_flight: set[asyncio.Task[None]] = set()
         self.calls_sent = 0
         self.inputs_sent = 0
 
@@ -65,7 +66,12 @@ class TokenizeCoalescer:
                     self._calls.release()
                     continue
                 task = asyncio.create_task(self._call(batch))
-                task.add_done_callback(lambda _t: self._calls.release())
+                self._in_flight.add(task)  # the loop keeps only weak references to tasks
+                task.add_done_callback(self._call_done)
+
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._calls.release()
 
     async def _call(self, batch: list[_Waiting]) -> None:
         self.calls_sent += 1
@@ -80,6 +86,9 @@ class TokenizeCoalescer:
                 return
             _fail(batch, from_rpc_error(exc))
             return
+        except asyncio.CancelledError:  # the router is closing: nobody waits forever
+            _fail(batch, Unavailable("router is shutting down", "SHUTTING_DOWN"))
+            raise
         except Exception as exc:  # noqa: BLE001 - every waiter must hear of it, none may hang
             _fail(batch, TokenrelayError(f"tokenize call failed: {exc!r}", "TOKENIZER_ERROR"))
             return
@@ -88,10 +97,10 @@ class TokenizeCoalescer:
                 waiting.future.set_result(list(result.ids))
 
     async def close(self) -> None:
-        if self._sender is not None:
-            self._sender.cancel()
+        for task in [*self._in_flight, *([self._sender] if self._sender else [])]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._sender
+                await task
         for waiting in self._waiting:
             if not waiting.future.done():
                 waiting.future.cancel()
