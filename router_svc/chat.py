@@ -25,6 +25,7 @@ class ChatStart:
     session_id: str = ""
     system: list[tuple[str, str]] = field(default_factory=list)
     priority: int = 0
+    return_token_ids: bool = False
 
 
 @dataclass
@@ -65,7 +66,8 @@ async def run_chat(router: Router, sessions: Sessions, tenant: Tenant,
         nonlocal busy
         text: list[str] = []
         inp = GenerateInput(sampling=turn.sampling, messages=conversation + turn.messages,
-                            priority=first.priority, session_id=session_id)
+                            priority=first.priority, session_id=session_id,
+                            return_token_ids=first.return_token_ids)
         try:
             async for event in router.generate(tenant, inp):
                 if isinstance(event, Accepted):

@@ -63,7 +63,8 @@ async def _chat_in(requests: AsyncIterator[inference_pb2.ChatRequest]) -> AsyncI
     async for r in requests:
         which = r.WhichOneof("event")
         if which == "start":
-            yield ChatStart(r.start.session_id, _messages(r.start.system), int(r.start.priority))
+            yield ChatStart(r.start.session_id, _messages(r.start.system), int(r.start.priority),
+                            r.start.return_token_ids)
         elif which == "turn":
             yield ChatTurn(_messages(r.turn.messages), sampling_from_pb(r.turn.sampling))
         elif which == "cancel":

@@ -207,19 +207,21 @@ class Client:
             raise from_rpc_error(exc) from None
         return resp.cancelled
 
-    def chat(self, *, session_id: str = "", system: str | None = None, priority: str = "") -> ChatSession:
-        return ChatSession(self._stub, self._metadata, session_id, system, PRIORITIES[priority])
+    def chat(self, *, session_id: str = "", system: str | None = None, priority: str = "",
+             return_token_ids: bool = False) -> ChatSession:
+        return ChatSession(self._stub, self._metadata, session_id, system, PRIORITIES[priority], return_token_ids)
 
 
 class ChatSession:
     """A bidirectional chat stream. Use as `async with client.chat() as chat:`."""
 
     def __init__(self, stub: inference_pb2_grpc.InferenceStub, metadata: Any, session_id: str,
-                 system: str | None, priority: common_pb2.Priority) -> None:
+                 system: str | None, priority: common_pb2.Priority, return_token_ids: bool = False) -> None:
         self._stub = stub
         self._metadata = metadata
         self._outbox: asyncio.Queue[inference_pb2.ChatRequest | None] = asyncio.Queue()
-        start = inference_pb2.ChatStart(session_id=session_id, priority=priority)
+        start = inference_pb2.ChatStart(session_id=session_id, priority=priority,
+                                        return_token_ids=return_token_ids)
         if system:
             start.system.append(common_pb2.ChatMessage(role="system", content=system))
         self._outbox.put_nowait(inference_pb2.ChatRequest(start=start))

@@ -62,7 +62,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(default: $TOKENRELAY_API_KEY or the local dev key)")
     t.add_argument("--chat-api", choices=MeshTarget.CHAT_APIS, default="messages",
                    help="mesh chats: Generate with messages + session id (exact ITL), the bidi Chat API "
-                        "(ITL estimated: its deltas carry no token ids), or plain text + session id")
+                        "(exact ITL too: it asks for token ids), or plain text + session id")
     t.add_argument("--chars-per-token", type=float, default=0.0,
                    help="prompt sizing for the mesh (0 = calibrate against the mesh's tokenizer)")
     t.add_argument("--engine-address", default="", help="engine_svc host:port (default: the mesh's engine)")

@@ -222,11 +222,11 @@ class _MeshGenerate(_MeshSession):
 
 
 class _MeshChat(_MeshSession):
-    """Chats over the bidirectional Chat API (its deltas carry no token ids: ITL is estimated)."""
+    """Chats over the bidirectional Chat API (deltas carry their token ids, so ITL is exact)."""
 
     async def __aenter__(self) -> TargetSession:
         self._cm = self.client.chat(session_id=self.session_id, system=self.system or None,
-                                    priority=self.plan.priority)
+                                    priority=self.plan.priority, return_token_ids=True)
         self.chat = await self._cm.__aenter__()
         return self
 

@@ -169,11 +169,13 @@ async def test_tenant_concurrency_limit(hf_mesh):
 async def test_chat_two_turns_sticky(hf_mesh, model_dir):
     reused = ("tokenrelay_tokenizer_chat_reused_tokens_total", frozenset())
     before = scrape(hf_mesh.state["metrics"]["tokenizer"]).get(reused, 0.0)
-    async with Client(hf_mesh.address, hf_mesh.api_key) as client, client.chat(system="You are brief.") as chat:
+    async with Client(hf_mesh.address, hf_mesh.api_key) as client, \
+            client.chat(system="You are brief.", return_token_ids=True) as chat:
         assert chat.session_id
         first = await chat.say("Tell me a story.", max_tokens=8, ignore_eos=True)
         second = await chat.say("And then?", max_tokens=8, ignore_eos=True)
     assert first.finished.completion_tokens == 8 == second.finished.completion_tokens
+    assert len(first.token_ids) == 8 == len(second.token_ids)
     # the second turn's prompt contains the first turn and its answer
     assert second.finished.prompt_tokens > first.finished.prompt_tokens + 8
     # ... and only its new part was tokenized: the first turn's tokens came from the session cache.

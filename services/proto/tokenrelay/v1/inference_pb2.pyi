@@ -100,14 +100,16 @@ class ChatRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[ChatStart, _Mapping]] = ..., turn: _Optional[_Union[ChatTurn, _Mapping]] = ..., cancel: _Optional[_Union[ChatCancel, _Mapping]] = ...) -> None: ...
 
 class ChatStart(_message.Message):
-    __slots__ = ("session_id", "system", "priority")
+    __slots__ = ("session_id", "system", "priority", "return_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     system: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     priority: _common_pb2.Priority
-    def __init__(self, session_id: _Optional[str] = ..., system: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
+    return_token_ids: bool
+    def __init__(self, session_id: _Optional[str] = ..., system: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., return_token_ids: _Optional[bool] = ...) -> None: ...
 
 class ChatCancel(_message.Message):
     __slots__ = ()
