@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import pathlib
+import signal
 import sys
 from typing import Any
 
@@ -36,6 +37,10 @@ async def _up(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight, tokenizer_replicas=args.tokenizers, engine_args=args.engine_arg,
         tokenizer_args=args.tokenizer_arg)
     mesh = Mesh(options)
+    # SIGTERM (systemd, `timeout`, a supervisor) stops the mesh as cleanly as Ctrl-C does.
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     print(f"[tokenrelay] starting: model={options.model} engine={options.engine} logs={options.run_dir}/logs",
           file=sys.stderr)
     try:
