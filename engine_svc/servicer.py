@@ -7,19 +7,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.wire import FINISH_CODES
 
 from .backends.base import FinishReason, GenerationRequest, LoadSnapshot
 from .engine import Engine
 from .outbox import Chunk
 from .session import Inbound, StreamSession
-
-_FINISH = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
-    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
-}
 
 
 def request_from_proto(r: engine_pb2.EngineRequest) -> GenerationRequest:
@@ -32,10 +25,14 @@ def request_from_proto(r: engine_pb2.EngineRequest) -> GenerationRequest:
         trace_context=dict(r.trace_context))
 
 
+def _finish_code(reason: FinishReason | None) -> common_pb2.FinishReason:
+    return FINISH_CODES[reason.value] if reason else common_pb2.FINISH_REASON_UNSPECIFIED
+
+
 def chunk_to_proto(c: Chunk) -> engine_pb2.TokenChunk:
     return engine_pb2.TokenChunk(
         request_id=c.request_id, token_ids=c.token_ids, finished=c.finished,
-        finish_reason=_FINISH[c.finish_reason], cached_tokens=c.cached_tokens,
+        finish_reason=_finish_code(c.finish_reason), cached_tokens=c.cached_tokens,
         error_reason=c.error_reason, error_message=c.error_message)
 
 

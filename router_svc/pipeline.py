@@ -29,21 +29,18 @@ from services.errors import (
 from services.logging import get_logger
 from services.mux import StreamBroken
 from services.tracing import inject, tracer
+from services.wire import engine_error
 
 from .admission import Admission, LeaseKeeper
 from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
 from .tenants import Tenant
-from .types import Accepted, Delta, Done, EngineChunk, Event, GenerateInput, Timings, Usage
+from .types import Accepted, Delta, Done, Event, GenerateInput, Timings, Usage
 from .upstreams import DetokSession, EnginePool, EngineReplica, TokenizerUpstream
 from .validation import check_lengths, validate_input
 
 log = get_logger(__name__)
 _tracer = tracer("tokenrelay.router")
 
-# Engine error reasons that are the caller's fault; everything else is the mesh's.
-_ENGINE_CLIENT_ERRORS = {"EMPTY_PROMPT", "CONTEXT_LENGTH_EXCEEDED", "INVALID_MAX_TOKENS",
-                         "UNSUPPORTED_SAMPLING", "DUPLICATE_REQUEST_ID", "INVALID_TOKEN_ID",
-                         "INVALID_SAMPLING"}
 # Prompt ids handed to the detokenizer for leading-space context.
 _DETOK_CONTEXT = 8
 
@@ -63,14 +60,6 @@ class _Live:
     replica: EngineReplica | None = None
     cancelled: bool = False
     trace_ctx: Context | None = None
-
-
-def _engine_error(chunk: EngineChunk) -> TokenrelayError:
-    if chunk.error_reason in _ENGINE_CLIENT_ERRORS:
-        return InvalidArgument(chunk.error_message or chunk.error_reason, chunk.error_reason)
-    if chunk.error_reason == "ENGINE_OVERLOADED":
-        return Unavailable(chunk.error_message or "engine overloaded", "ENGINE_OVERLOADED", retry_after=1.0)
-    return Internal(chunk.error_message or "engine error", chunk.error_reason or "ENGINE_ERROR")
 
 
 class Router:
@@ -269,7 +258,7 @@ class Router:
                         break
                     if chunk.error_reason:
                         state.engine_done = True
-                        raise _engine_error(chunk)
+                        raise engine_error(chunk.error_reason, chunk.error_message)
                     if chunk.cached_tokens:
                         usage.cached_tokens = chunk.cached_tokens
                     generated.extend(chunk.token_ids)

@@ -8,14 +8,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.wire import FINISH_CODES
 
 from .chat import ChatCancel, ChatIn, ChatStart, ChatStarted, ChatTurn, run_chat
 from .pipeline import Router, Sessions
 from .tenants import Tenant, TenantRegistry, api_key_from_metadata
 from .types import Accepted, Delta, Done, Event, GenerateInput, Sampling
-
-_FINISH = {"length": common_pb2.FINISH_REASON_LENGTH, "stop": common_pb2.FINISH_REASON_STOP,
-           "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
 
 
 def sampling_from_pb(s: common_pb2.SamplingParams) -> Sampling:
@@ -51,7 +49,7 @@ def event_to_pb(event: Event) -> dict[str, object]:
     assert isinstance(event, Done)
     u, t = event.usage, event.timings
     return {"done": inference_pb2.Done(
-        finish_reason=_FINISH[event.finish_reason], stop_reason=event.stop_reason,
+        finish_reason=FINISH_CODES[event.finish_reason], stop_reason=event.stop_reason,
         usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
                                completion_tokens=u.completion_tokens),
         timings=common_pb2.Timings(queue_seconds=t.queue_seconds, ttft_seconds=t.ttft_seconds,

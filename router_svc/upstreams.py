@@ -28,18 +28,13 @@ from services.proto.tokenrelay.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.wire import FINISH_NAMES
 
 from .tokenize_batch import TokenizeCoalescer
 from .types import DetokOut, EngineChunk, Sampling, TokenizerMeta
 
 log = get_logger(__name__)
 
-_FINISH = {
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
 
 
 def _rpc(exc: grpc.aio.AioRpcError, what: str) -> Exception:
@@ -153,7 +148,7 @@ def _engine_build(pending: dict[str, list[Any]]) -> engine_pb2.EngineInbound:
 
 
 def _engine_split(resp: engine_pb2.EngineOutbound) -> list[tuple[str, EngineChunk]]:
-    return [(c.request_id, EngineChunk(list(c.token_ids), c.finished, _FINISH.get(c.finish_reason, ""),
+    return [(c.request_id, EngineChunk(list(c.token_ids), c.finished, FINISH_NAMES.get(c.finish_reason, ""),
                                        c.cached_tokens, c.error_reason, c.error_message))
             for c in resp.chunks]
 

@@ -34,9 +34,8 @@ from services.errors import (  # re-exported: callers catch these
 )
 from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.wire import FINISH_NAMES
 
-FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
-                common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
 __all__ = ["Accepted", "Cancelled", "ChatSession", "Client", "Completion", "DeadlineExceeded",
            "Finished", "InvalidArgument", "PermissionDenied", "ResourceExhausted", "Sampling", "TextDelta",
            "TokenrelayError", "Unauthenticated", "Unavailable", "collect"]

@@ -20,10 +20,11 @@ from typing import Any
 import grpc
 
 from services.client import Client, Finished, TextDelta
-from services.errors import Internal, InvalidArgument, TokenrelayError, Unavailable
+from services.errors import TokenrelayError, Unavailable
 from services.grpc_util import insecure_channel
 from services.mux import MuxClient, StreamBroken
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.wire import FINISH_NAMES, engine_error
 
 from .prompts import IdSynth, TextSynth, calibrate_chars_per_token, nonce
 from .workload import SessionPlan, TurnPlan
@@ -245,21 +246,6 @@ class _MeshChat(_MeshSession):
 
 
 # ------------------------------------------------------------------------------------ engine
-_FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
-           common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
-# Engine reasons that are the caller's fault (the router maps them the same way).
-_CLIENT_ERRORS = {"EMPTY_PROMPT", "CONTEXT_LENGTH_EXCEEDED", "INVALID_MAX_TOKENS", "UNSUPPORTED_SAMPLING",
-                  "DUPLICATE_REQUEST_ID"}
-
-
-def engine_error(reason: str, message: str) -> TokenrelayError:
-    if reason in _CLIENT_ERRORS:
-        return InvalidArgument(message or reason, reason)
-    if reason == "ENGINE_OVERLOADED":
-        return Unavailable(message or reason, reason)
-    return Internal(message or "engine error", reason or "ENGINE_ERROR")
-
-
 def _build(pending: dict[str, list[Any]]) -> engine_pb2.EngineInbound:
     return engine_pb2.EngineInbound(submit=pending.get("submit", []), abort=pending.get("abort", []))
 
@@ -354,5 +340,5 @@ class _EngineSession(TargetSession):
             mux.release(rid)
         self.conversation = prompt + generated
         self.context_tokens = len(self.conversation)
-        return TurnResult(len(prompt), cached, len(generated), _FINISH.get(chunk.finish_reason, "unknown"),
+        return TurnResult(len(prompt), cached, len(generated), FINISH_NAMES.get(chunk.finish_reason, "unknown"),
                           None, self.context_tokens)

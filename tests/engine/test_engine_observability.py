@@ -33,14 +33,13 @@ from engine_svc.backends.sim import SimBackend, SimConfig
 from engine_svc.config import EngineSettings
 from engine_svc.metrics import LoadCollector
 from services.grpc_util import insecure_channel, wait_healthy
-from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
 from services.tracing import configure_tracing, inject
+from services.wire import FINISH_NAMES
 from tests.engine.engine_testkit import Collector, StreamClient, engine_request, fast_sim, poll, req
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 P = "tokenrelay_engine_"
-_REASON = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
-           common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
 
 
 # -- fixtures and helpers -------------------------------------------------------------------------
@@ -152,7 +151,7 @@ async def run_mixed_requests(stub: Any, engine: Any, metrics_port: int) -> Simpl
     return SimpleNamespace(
         before=before, after=await scrape(metrics_port), steps=engine.backend.steps - steps_before,
         requests=requests, parents=parents, rejected=rejected,
-        reasons={rid: _REASON[client.last(rid).finish_reason] for rid in requests},
+        reasons={rid: FINISH_NAMES[client.last(rid).finish_reason] for rid in requests},
         tokens={rid: client.tokens(rid) for rid in requests},
         cached={rid: client.chunks[rid][0].cached_tokens for rid in requests})
 
