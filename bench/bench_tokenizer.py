@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -94,11 +95,9 @@ def measure_raw(tok: Tokenizer, prompts: list[str], clients: int, seconds: float
     return done / (time.perf_counter() - start), done / max(time.process_time() - cpu0, 1e-9)
 
 
-async def measure_service(stub: Any, prompts: list[str], clients: int,
-                          seconds: float) -> tuple[float, list[float], int]:
-    requests = [pb.TokenizeRequest(inputs=[pb.TokenizeInput(text=p)]) for p in prompts]
-    for req in requests[:clients]:
-        await stub.Tokenize(req)                                            # warm-up
+async def _drive(call: Callable[[int], Awaitable[int]], clients: int,
+                 seconds: float) -> tuple[float, list[float], int]:
+    """`clients` concurrent loops of `call(i)` (returns tokens) for `seconds`: tok/s, latencies, tokens."""
     latencies: list[float] = []
     tokens = 0
     end = time.perf_counter() + seconds
@@ -108,9 +107,9 @@ async def measure_service(stub: Any, prompts: list[str], clients: int,
         i = index
         while time.perf_counter() < end:
             t0 = time.perf_counter()
-            resp = await stub.Tokenize(requests[i % len(requests)])
+            n = await call(i)  # not `tokens += await ...`: that reads `tokens` before the await
             latencies.append(time.perf_counter() - t0)
-            tokens += len(resp.results[0].ids)
+            tokens += n
             i += clients
 
     start = time.perf_counter()
@@ -118,29 +117,31 @@ async def measure_service(stub: Any, prompts: list[str], clients: int,
     return tokens / (time.perf_counter() - start), latencies, tokens
 
 
+async def measure_service(stub: Any, prompts: list[str], clients: int,
+                          seconds: float) -> tuple[float, list[float], int]:
+    """One Tokenize call per request."""
+    requests = [pb.TokenizeRequest(inputs=[pb.TokenizeInput(text=p)]) for p in prompts]
+    for req in requests[:clients]:
+        await stub.Tokenize(req)                                            # warm-up
+
+    async def call(i: int) -> int:
+        resp = await stub.Tokenize(requests[i % len(requests)])
+        return len(resp.results[0].ids)
+
+    return await _drive(call, clients, seconds)
+
+
 async def measure_coalesced(stub: Any, prompts: list[str], clients: int,
                             seconds: float) -> tuple[float, list[float], int]:
-    """As `measure_service`, through the router's TokenizeCoalescer (many requests per call)."""
+    """Through the router's TokenizeCoalescer (many requests per call)."""
     coalescer = TokenizeCoalescer(stub, timeout=60)
     inputs = [pb.TokenizeInput(text=p) for p in prompts]
-    latencies: list[float] = []
-    tokens = 0
-    end = time.perf_counter() + seconds
 
-    async def client(index: int) -> None:
-        nonlocal tokens
-        i = index
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            ids = await coalescer.tokenize(inputs[i % len(inputs)], 60)
-            latencies.append(time.perf_counter() - t0)
-            tokens += len(ids)
-            i += clients
+    async def call(i: int) -> int:
+        return len(await coalescer.tokenize(inputs[i % len(inputs)], 60))
 
     try:
-        start = time.perf_counter()
-        await asyncio.gather(*[client(k) for k in range(clients)])
-        return tokens / (time.perf_counter() - start), latencies, tokens
+        return await _drive(call, clients, seconds)
     finally:
         await coalescer.close()
 
