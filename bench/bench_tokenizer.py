@@ -1,21 +1,28 @@
 """Benchmark of tokenizer_svc: Tokenize through gRPC vs raw in-process encode_batch, and
 Detokenize with one stream per request vs one multiplexed stream.
 
-The service runs as a real process (`python -m tokenizer_svc`) on this machine's cores; this
-process is its gRPC client. For each prompt size (~2k and ~32k tokens, cut from
-../shared/data/text/state-of-the-union.txt) and each client count (1 and N), it measures
-tokens/s through the service and, in the same run on the same cores, tokens/s of the raw
-`Tokenizer.encode_batch_fast` on the same prompts (C prompts per call for C clients), and reports
-the ratio plus request latency p50/p99. Detokenize: R requests of T tokens each, streamed one
-token per request per message, either over R streams or multiplexed over one (median of runs).
+The service runs as a real process (`python -m tokenizer_svc`); this process is its gRPC client.
+For each prompt size (~2k and ~32k tokens, cut from ../shared/data/text/state-of-the-union.txt)
+and each client count (1 and N), it measures tokens/s through the service and, in the same run on
+the same cores, tokens/s of the raw `Tokenizer.encode_batch_fast` on the same prompts (C prompts
+per call for C clients, in a process of its own), and reports the ratio plus request latency
+p50/p99. Detokenize: R requests of T tokens each, streamed one token per request per message,
+either over R streams or multiplexed over one (median of runs).
 
-    python bench/bench_tokenizer.py [--tokenizer PATH] [--clients 16] [--seconds 3] [--json]
+Cores: by default the machine's cores are split in two halves; the service and the raw encoder
+are pinned to the same half (`--service-cpus`), the bench client to the other (`--client-cpus`),
+so the ratio compares the service with the library on the same cores and the client's own CPU
+does not count against either. `--shared` pins nothing (everything shares every core).
+
+    python bench/bench_tokenizer.py [--tokenizer PATH] [--clients 16] [--seconds 4] [--json]
+        [--service-cpus 1] [--client-cpus 0] [--shared]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -34,7 +41,7 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from router_svc.tokenize_batch import TokenizeCoalescer  # noqa: E402
+from router_svc.upstreams import TokenizerUpstream  # noqa: E402
 from services.grpc_util import insecure_channel, wait_healthy  # noqa: E402
 from services.proto.tokenrelay.v1 import tokenizer_pb2 as pb  # noqa: E402
 from services.proto.tokenrelay.v1 import tokenizer_pb2_grpc  # noqa: E402
@@ -84,6 +91,73 @@ def make_prompts(tok: Tokenizer, text: str, tokens: int, count: int) -> list[str
     return prompts
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.strip().partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def split_cpus(available: set[int]) -> tuple[set[int], set[int]]:
+    """(service, client): the upper half of the cores for the service, the rest for the client."""
+    ordered = sorted(available)
+    half = max(1, len(ordered) // 2)
+    return set(ordered[len(ordered) - half:]), set(ordered[:len(ordered) - half]) or set(ordered)
+
+
+def _pin(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A preexec_fn that pins a child (and every thread it will start) to `cpus`."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def _child_env(cpus: set[int] | None) -> dict[str, str]:
+    """The tokenizers library's thread pool sized to the pinned cores (some sandboxes, gVisor
+    among them, accept an affinity mask without enforcing it; the pool size still holds)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if cpus:
+        env["RAYON_NUM_THREADS"] = str(len(cpus))
+    return env
+
+
+class RawEncoder:
+    """`encode_batch_fast` in a process of its own, pinned like the service, measured on request."""
+
+    def __init__(self, tokenizer: pathlib.Path, cpus: set[int] | None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--raw-worker", "--tokenizer", str(tokenizer)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_pin(cpus), env=_child_env(cpus))
+
+    def measure(self, prompts: list[str], clients: int, seconds: float) -> tuple[float, float]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "clients": clients, "seconds": seconds}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("raw encoder process died")
+        answer = json.loads(line)
+        return answer["tok_s"], answer["tok_cpu_s"]
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def raw_worker(tokenizer: pathlib.Path) -> None:
+    """The RawEncoder's process: a JSON request per line in, a JSON answer per line out."""
+    tok = Tokenizer.from_file(str(tokenizer))
+    tok.no_padding()
+    tok.no_truncation()
+    for line in sys.stdin:
+        ask = json.loads(line)
+        tok_s, tok_cpu_s = measure_raw(tok, ask["prompts"], ask["clients"], ask["seconds"])
+        print(json.dumps({"tok_s": tok_s, "tok_cpu_s": tok_cpu_s}), flush=True)
+
+
 def measure_raw(tok: Tokenizer, prompts: list[str], clients: int, seconds: float) -> tuple[float, float]:
     """Raw encode_batch_fast (tokens/s, tokens per CPU-second) with `clients` prompts per call."""
     tok.encode_batch_fast(prompts[:clients], add_special_tokens=False)   # warm-up
@@ -117,54 +191,62 @@ async def _drive(call: Callable[[int], Awaitable[int]], clients: int,
     return tokens / (time.perf_counter() - start), latencies, tokens
 
 
-async def measure_service(stub: Any, prompts: list[str], clients: int,
+async def measure_service(stubs: list[Any], prompts: list[str], clients: int,
                           seconds: float) -> tuple[float, list[float], int]:
-    """One Tokenize call per request."""
+    """One Tokenize call per request; client k calls replica k mod R."""
     requests = [pb.TokenizeRequest(inputs=[pb.TokenizeInput(text=p)]) for p in prompts]
-    for req in requests[:clients]:
-        await stub.Tokenize(req)                                            # warm-up
+    for k, req in enumerate(requests[:clients]):
+        await stubs[k % len(stubs)].Tokenize(req)                           # warm-up
 
     async def call(i: int) -> int:
-        resp = await stub.Tokenize(requests[i % len(requests)])
+        resp = await stubs[i % clients % len(stubs)].Tokenize(requests[i % len(requests)])
         return len(resp.results[0].ids)
 
     return await _drive(call, clients, seconds)
 
 
-async def measure_coalesced(stub: Any, prompts: list[str], clients: int,
-                            seconds: float) -> tuple[float, list[float], int]:
-    """Through the router's TokenizeCoalescer (many requests per call)."""
-    coalescer = TokenizeCoalescer(stub, timeout=60)
-    inputs = [pb.TokenizeInput(text=p) for p in prompts]
+async def measure_coalesced(addresses: list[str], prompts: list[str], clients: int, seconds: float,
+                            max_calls: int) -> tuple[float, list[float], int]:
+    """Through the router's own tokenizer client (router_svc.upstreams.TokenizerUpstream): requests
+    spread over the replicas, each replica's waiting requests batched into shared calls."""
+    upstream = TokenizerUpstream(addresses, timeout=60, max_calls=max_calls)
 
     async def call(i: int) -> int:
-        return len(await coalescer.tokenize(inputs[i % len(inputs)], 60))
+        return len(await upstream.tokenize(text=prompts[i % len(prompts)]))
 
     try:
         return await _drive(call, clients, seconds)
     finally:
-        await coalescer.close()
+        await upstream.close()
 
 
-async def measure_point(tok: Tokenizer, stub: Any, prompts: list[str], clients: int,
-                        args: argparse.Namespace, service_pid: int, mode: str = "direct") -> TokenizeRow:
+async def measure_point(tok: Tokenizer, raw_encoder: RawEncoder, services: list[Service], prompts: list[str],
+                        clients: int, args: argparse.Namespace, mode: str = "direct") -> TokenizeRow:
     """Raw and service measured in alternating rounds, so background load hits both alike."""
-    raws, services, ratios, latencies, raw_cpu, svc_cpu = [], [], [], [], [], []
-    proc = psutil.Process(service_pid)
+    raws, rates, ratios, latencies, raw_cpu, svc_cpu = [], [], [], [], [], []
+    procs = [psutil.Process(service.proc.pid) for service in services]
+
+    def service_cpu() -> float:
+        return sum(sum(proc.cpu_times()[:2]) for proc in procs)
+
     for _ in range(args.rounds):
-        raw, raw_per_cpu = measure_raw(tok, prompts, clients, args.seconds / args.rounds)
-        before = sum(proc.cpu_times()[:2])
-        measure = measure_coalesced if mode == "coalesced" else measure_service
-        svc, lat, tokens = await measure(stub, prompts, clients, args.seconds / args.rounds)
-        svc_cpu.append(tokens / max(sum(proc.cpu_times()[:2]) - before, 1e-9))
+        raw, raw_per_cpu = raw_encoder.measure(prompts, clients, args.seconds / args.rounds)
+        before = service_cpu()
+        if mode == "coalesced":
+            svc, lat, tokens = await measure_coalesced([s.address for s in services], prompts, clients,
+                                                       args.seconds / args.rounds, args.max_calls)
+        else:
+            svc, lat, tokens = await measure_service([s.stub for s in services], prompts, clients,
+                                                     args.seconds / args.rounds)
+        svc_cpu.append(tokens / max(service_cpu() - before, 1e-9))
         raw_cpu.append(raw_per_cpu)
         raws.append(raw)
-        services.append(svc)
+        rates.append(svc)
         ratios.append(svc / raw)
         latencies.extend(lat)
     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [latencies[0]] * 99
     return TokenizeRow(mode, len(tok.encode(prompts[0], add_special_tokens=False).ids), clients, len(latencies),
-                       statistics.median(services), statistics.median(raws), statistics.median(ratios),
+                       statistics.median(rates), statistics.median(raws), statistics.median(ratios),
                        statistics.median(latencies) * 1e3, q[98] * 1e3, statistics.median(svc_cpu),
                        statistics.median(raw_cpu), statistics.median(svc_cpu) / statistics.median(raw_cpu))
 
@@ -218,34 +300,51 @@ async def detok_multiplexed(stub: Any, ids: list[list[int]]) -> float:
 
 
 class Service:
-    """`python -m tokenizer_svc` on an ephemeral port."""
+    """`python -m tokenizer_svc` on an ephemeral port, pinned to `cpus` when given."""
 
-    def __init__(self, tokenizer: pathlib.Path, workers: int) -> None:
+    def __init__(self, tokenizer: pathlib.Path, workers: int, cpus: set[int] | None,
+                 extra: list[str] | None = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="bench-tok-")
         self.port_file = pathlib.Path(self._dir.name) / "port"
         self.log = open(pathlib.Path(self._dir.name) / "log", "w")  # closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenizer_svc", "--tokenizer", str(tokenizer), "--port", "0",
-             "--port-file", str(self.port_file), "--log-level", "WARNING", "--workers", str(workers),
-             "--max-input-tokens", "-1", "--max-batch", "256"],
-            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)})
+             "--port-file", str(self.port_file), "--log-level", "WARNING",
+             "--max-input-tokens", "-1", "--max-batch", "256", *(extra or [])],
+            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_pin(cpus), env=_child_env(cpus))
+        self.address = ""
+        self.channel: Any = None
+        self.stub: Any = None
 
-    async def address(self) -> str:
+    async def start(self) -> None:
         deadline = time.monotonic() + 120
         while not self.port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("tokenizer service did not start: " + self.log.name)
             await asyncio.sleep(0.05)
-        address = f"127.0.0.1:{int(self.port_file.read_text())}"
-        await wait_healthy(address, timeout=30)
-        return address
+        self.address = f"127.0.0.1:{int(self.port_file.read_text())}"
+        await wait_healthy(self.address, timeout=30)
+        self.channel = insecure_channel(self.address)
+        self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
         self.proc.terminate()
         self.proc.wait(30)
         self.log.close()
         self._dir.cleanup()
+
+
+def split_groups(cpus: set[int] | None, groups: int) -> list[set[int] | None]:
+    """`cpus` cut into `groups` contiguous sets whose sizes differ by at most one."""
+    if not cpus:
+        return [None] * groups
+    ordered = sorted(cpus)
+    if groups > len(ordered):
+        raise SystemExit(f"{groups} replicas on {len(ordered)} cores: at least one core each")
+    bounds = [round(i * len(ordered) / groups) for i in range(groups + 1)]
+    return [set(ordered[bounds[i]:bounds[i + 1]]) for i in range(groups)]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -253,37 +352,72 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = Tokenizer.from_file(str(args.tokenizer))
     tok.no_padding()
     tok.no_truncation()
-    cores = os.cpu_count() or 1
-    service = Service(args.tokenizer, cores)
+    available = os.sched_getaffinity(0)
+    service_cpus: set[int] | None = None
+    client_cpus: set[int] | None = None
+    if not args.shared:
+        service_cpus, client_cpus = split_cpus(available)
+        service_cpus = parse_cpus(args.service_cpus) if args.service_cpus else service_cpus
+        client_cpus = parse_cpus(args.client_cpus) if args.client_cpus else client_cpus
+        os.sched_setaffinity(0, client_cpus)   # before any channel, so gRPC's threads inherit it
+    groups = split_groups(service_cpus, args.replicas)
+    workers = [len(group or available) for group in groups]
+    services = [Service(args.tokenizer, w, group, args.service_arg) for w, group in zip(workers, groups, strict=True)]
+    raw_encoder = RawEncoder(args.tokenizer, service_cpus)
     rows: list[TokenizeRow] = []
     detok: list[DetokRow] = []
     try:
-        async with insecure_channel(await service.address()) as channel:
-            stub = tokenizer_pb2_grpc.TokenizerStub(channel)
-            total_tokens = len(tok.encode(text, add_special_tokens=False).ids)
-            for size in args.sizes:
-                # Many distinct prompts, so repeats do not just measure the tokenizer's word cache.
-                prompts = make_prompts(tok, text, size, max(args.clients, min(64, total_tokens // size)))
+        for service in services:
+            await service.start()
+        stub = services[0].stub
+        total_tokens = len(tok.encode(text, add_special_tokens=False).ids)
+        for size in args.sizes:
+            # Many distinct prompts, so repeats do not just measure the tokenizer's word cache.
+            prompts = make_prompts(tok, text, size, max(args.clients, min(64, total_tokens // size)))
+            if "direct" in args.modes:
                 for clients in sorted({1, args.clients}):
-                    rows.append(await measure_point(tok, stub, prompts, clients, args, service.proc.pid))
-                rows.append(await measure_point(tok, stub, prompts, args.clients, args, service.proc.pid,
+                    rows.append(await measure_point(tok, raw_encoder, services, prompts, clients, args))
+            if "coalesced" in args.modes:
+                rows.append(await measure_point(tok, raw_encoder, services, prompts, args.clients, args,
                                                 mode="coalesced"))
-            all_ids = tok.encode(text, add_special_tokens=False).ids
-            seqs = [all_ids[i * args.detok_tokens:(i + 1) * args.detok_tokens] for i in range(args.detok_requests)]
-            total = args.detok_requests * args.detok_tokens
-            for mode, fn in (("stream per request", detok_single), ("multiplexed", detok_multiplexed)):
-                await fn(stub, [s[:16] for s in seqs])   # warm-up
-                secs = statistics.median([await fn(stub, seqs) for _ in range(args.repeats)])
-                messages = total if fn is detok_single else args.detok_tokens
-                detok.append(DetokRow(mode, args.detok_requests, args.detok_tokens, messages, total / secs, secs))
+        all_ids = tok.encode(text, add_special_tokens=False).ids
+        seqs = [all_ids[i * args.detok_tokens:(i + 1) * args.detok_tokens] for i in range(args.detok_requests)]
+        total = args.detok_requests * args.detok_tokens
+        for mode, fn in (("stream per request", detok_single), ("multiplexed", detok_multiplexed)):
+            if not args.detok_requests:
+                break
+            await fn(stub, [s[:16] for s in seqs])   # warm-up
+            secs = statistics.median([await fn(stub, seqs) for _ in range(args.repeats)])
+            messages = total if fn is detok_single else args.detok_tokens
+            detok.append(DetokRow(mode, args.detok_requests, args.detok_tokens, messages, total / secs, secs))
     finally:
-        service.stop()
-    return {"tokenizer": str(args.tokenizer), "cores": cores, "seconds_per_point": args.seconds,
+        for service in services:
+            await service.stop()
+        raw_encoder.stop()
+    return {"tokenizer": str(args.tokenizer), "cores": len(available), "seconds_per_point": args.seconds,
+            "service_cpus": sorted(service_cpus or available), "client_cpus": sorted(client_cpus or available),
+            "replicas": [sorted(group or available) for group in groups], "service_workers": workers,
+            "host": _host(),
             "tokenize": [asdict(r) for r in rows], "detokenize": [asdict(r) for r in detok]}
 
 
+def _host() -> dict[str, str]:
+    import platform
+
+    import grpc
+    import tokenizers
+    model = ""
+    with contextlib.suppress(OSError):
+        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                      if line.startswith("model name")), "")
+    return {"cpu": model, "python": platform.python_version(), "grpcio": grpc.__version__,
+            "tokenizers": tokenizers.__version__}
+
+
 def print_table(result: dict[str, Any]) -> None:
-    print(f"tokenizer: {result['tokenizer']}  cores: {result['cores']}")
+    print(f"tokenizer: {result['tokenizer']}  cores: {result['cores']}  service and raw encoder on cores "
+          f"{result['service_cpus']}, bench client on {result['client_cpus']}; replicas on {result['replicas']}")
+    print("host: " + ", ".join(f"{k} {v}" for k, v in result["host"].items()))
     print(f"{'mode':>9} {'prompt':>7} {'clients':>7} {'reqs':>6} {'service tok/s':>14} {'raw tok/s':>12} {'ratio':>6} "
           f"{'p50 ms':>8} {'p99 ms':>8} {'svc tok/CPU-s':>14} {'raw tok/CPU-s':>14} {'CPU ratio':>9}")
     for r in result["tokenize"]:
@@ -304,15 +438,33 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per point and side")
     parser.add_argument("--rounds", type=int, default=4, help="alternating raw/service rounds per point")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 32768], help="prompt sizes in tokens")
-    parser.add_argument("--detok-requests", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", choices=["direct", "coalesced"], default=["direct", "coalesced"],
+                        help="direct: a Tokenize call per request; coalesced: the router's batching client")
+    parser.add_argument("--replicas", type=int, default=1, help="tokenizer_svc processes, the service cores "
+                        "split between them (the router spreads requests over them)")
+    parser.add_argument("--max-calls", type=int, default=2, help="the coalescer's calls in flight (router default)")
+    parser.add_argument("--detok-requests", type=int, default=128, help="0 skips the detokenize part")
     parser.add_argument("--detok-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="detokenize runs per mode (median is reported)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json-out", type=pathlib.Path, help="also write the JSON result to this file")
+    parser.add_argument("--service-cpus", help="cores of the service and the raw encoder, e.g. 1 or 8-15 "
+                        "(default: the upper half)")
+    parser.add_argument("--client-cpus", help="cores of the bench client (default: the other half)")
+    parser.add_argument("--shared", action="store_true", help="pin nothing: client, service and raw share every core")
+    parser.add_argument("--service-arg", action="append", default=[],
+                        help="extra flag for tokenizer_svc, e.g. --service-arg=--no-library-parallelism")
+    parser.add_argument("--raw-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.raw_worker:
+        raw_worker(args.tokenizer)
+        return
     if not TEXT_FILE.exists() or not args.tokenizer.exists():
         print(f"skipped: {TEXT_FILE} or {args.tokenizer} is absent (development data from ../shared/data)")
         return
     result = asyncio.run(run(args))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2) if args.json else "", end="\n" if args.json else "")
     if not args.json:
         print_table(result)

@@ -43,7 +43,8 @@ async def serve(settings: RouterSettings) -> None:
     tenants = TenantRegistry.from_file(settings.tenants_file)
     admission = Admission(AdmissionSettings(settings.redis_url, settings.pool, settings.lease_ttl,
                                             settings.lease_ttl / 3, settings.fail_open))
-    tokenizer = TokenizerUpstream(settings.tokenizers, settings.upstream_timeout)
+    tokenizer = TokenizerUpstream(settings.tokenizers, settings.upstream_timeout,
+                                  max_calls=settings.tokenize_calls_in_flight)
     engines = EnginePool(settings.engines, settings.engine_poll_interval)
     try:
         await _wait_tokenizer(tokenizer, settings.startup_timeout)

@@ -22,6 +22,7 @@ import grpc
 from services.errors import TokenrelayError, Unavailable, from_rpc_error
 from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tracing import inject
+from services.wire import unpack_ids
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class TokenizeCoalescer:
         self._stub = stub
         self._timeout = timeout
         self._max_batch = max_batch
+        self._max_calls = max_calls
         self._calls = asyncio.Semaphore(max_calls)
         self._waiting: list[_Waiting] = []
         self._wake = asyncio.Event()
@@ -60,11 +62,17 @@ class TokenizeCoalescer:
             self._wake.clear()
             while self._waiting:
                 await self._calls.acquire()
-                batch = [w for w in self._waiting[:self._max_batch] if not w.future.done()]
-                del self._waiting[:self._max_batch]
-                if not batch:
+                self._waiting = [w for w in self._waiting if not w.future.done()]
+                if not self._waiting:
                     self._calls.release()
-                    continue
+                    break
+                # Spread what is waiting over the free call slots (this one included): the
+                # replica then always has a call queued behind the one it is encoding, instead
+                # of idling while one big call's answers travel back and its callers resubmit.
+                free = self._max_calls - len(self._in_flight)
+                size = min(self._max_batch, -(-len(self._waiting) // max(1, free)))
+                batch = self._waiting[:size]
+                del self._waiting[:size]
                 task = asyncio.create_task(self._call(batch))
                 self._in_flight.add(task)  # the loop keeps only weak references to tasks
                 task.add_done_callback(self._call_done)
@@ -78,7 +86,7 @@ class TokenizeCoalescer:
         self.inputs_sent += len(batch)
         try:
             resp = await self._stub.Tokenize(
-                tokenizer_pb2.TokenizeRequest(inputs=[w.item for w in batch]), timeout=self._timeout,
+                tokenizer_pb2.TokenizeRequest(inputs=[w.item for w in batch], packed_ids=True), timeout=self._timeout,
                 metadata=tuple(batch[0].trace.items()))
         except grpc.aio.AioRpcError as exc:
             if len(batch) > 1 and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -94,7 +102,7 @@ class TokenizeCoalescer:
             return
         for waiting, result in zip(batch, resp.results, strict=True):
             if not waiting.future.done():
-                waiting.future.set_result(list(result.ids))
+                waiting.future.set_result(unpack_ids(result.packed_ids))
 
     async def close(self) -> None:
         for task in [*self._in_flight, *([self._sender] if self._sender else [])]:

@@ -90,7 +90,7 @@ class DetokSession:
 
 
 class TokenizerUpstream:
-    def __init__(self, addresses: list[str], timeout: float) -> None:
+    def __init__(self, addresses: list[str], timeout: float, *, max_calls: int = 2) -> None:
         if not addresses:
             raise ValueError("at least one tokenizer address is required")
         self._timeout = timeout
@@ -100,7 +100,7 @@ class TokenizerUpstream:
         self._muxes: list[MuxClient[DetokOut]] = [
             MuxClient(f"detok-{a}", stub.Detokenize, _detok_build, _detok_split)
             for a, stub in zip(addresses, self._stubs, strict=True)]
-        self._batchers = [TokenizeCoalescer(stub, timeout) for stub in self._stubs]
+        self._batchers = [TokenizeCoalescer(stub, timeout, max_calls=max_calls) for stub in self._stubs]
         self.meta: TokenizerMeta | None = None
 
     async def info(self) -> TokenizerMeta:

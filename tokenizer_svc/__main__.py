@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 from services.logging import configure_logging
 from tokenizer_svc.app import serve
@@ -11,6 +12,8 @@ from tokenizer_svc.config import load_settings
 
 def main(argv: list[str] | None = None) -> None:
     settings = load_settings(argv)
+    if settings.switch_interval_ms > 0:
+        sys.setswitchinterval(settings.switch_interval_ms / 1000)
     configure_logging(settings.log_level, settings.log_format, service="tokenizer")
     asyncio.run(serve(settings))
 

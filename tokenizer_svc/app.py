@@ -66,7 +66,7 @@ class TokenizerApp:
         # Parsing a large tokenizer.json takes a while: keep the loop free (signals, health).
         loaded, template = await asyncio.to_thread(load_domain, s)
         self.encoder = Encoder(loaded, template, encoder_limits(s, loaded), workers=s.effective_workers(),
-                               chat_cache_tokens=s.chat_cache_tokens)
+                               chat_cache_tokens=s.chat_cache_tokens, overlap_after=s.overlap_after())
         await self.encoder.start()
         self.detokenizer = Detokenizer(loaded, workers=max(1, s.detok_workers),
                                        max_requests_per_stream=s.max_stream_requests)

@@ -5,7 +5,21 @@ await its result. One dispatcher task takes jobs off the queue only when a worke
 under load the jobs that arrive meanwhile are batched together (up to `max_batch` in size),
 while an idle service runs a lone job immediately. The batch function runs in a worker thread
 (for the tokenizer: `encode_batch`, which releases the GIL) and returns, per job, its result or
-the exception for that job alone. Pending work is bounded: a job that would take the size of
+the exception for that job alone.
+
+An optional second stage, `post`, takes the batch function's output and makes the per-job
+results on a thread of its own, so a worker is free for the next batch as soon as the batch
+function returns: for the tokenizer, the Python work per id (reading ids, packing responses)
+runs while the library already encodes the next batch, instead of leaving its cores idle.
+
+With `overlap_after` > 0 the batch function is taken to use every core by itself (the tokenizers
+library's thread pool): batches then run one after another, each taking all that is queued, and
+a second one may start only once the running one has run `overlap_after` seconds, which means it
+is held up by a long input while the pool's other threads idle. Batches that start together also
+end together, and the cores then wait for the next calls to arrive; one at a time, the next
+batch is always queued behind the running one.
+
+Pending work is bounded: a job that would take the size of
 queued + running work past `max_pending` is rejected with `Unavailable(..., "OVERLOADED")`
 instead of growing the queue.
 """
@@ -27,7 +41,8 @@ log = get_logger(__name__)
 J = TypeVar("J")
 R = TypeVar("R")
 
-BatchFn = Callable[[list[J]], Sequence["R | BaseException"]]
+BatchFn = Callable[[list[J]], Any]   # per-job results, or (with `post`) whatever post takes
+PostFn = Callable[[list[J], Any], Sequence["R | BaseException"]]
 
 
 @dataclass(eq=False)
@@ -38,11 +53,16 @@ class _Job(Generic[J, R]):
 
 
 class Batcher(Generic[J, R]):
-    def __init__(self, process: BatchFn[J, R], *, workers: int, max_batch: int, max_pending: int,
-                 name: str = "batcher") -> None:
+    def __init__(self, process: BatchFn[J], *, workers: int, max_batch: int, max_pending: int,
+                 name: str = "batcher", post: PostFn[J, R] | None = None, overlap_after: float = 0.0) -> None:
         if workers < 1 or max_batch < 1 or max_pending < 1:
             raise ValueError("workers, max_batch and max_pending must be >= 1")
         self._process = process
+        self._post = post
+        self._overlap_after = overlap_after
+        self._started: dict[int, float] = {}   # running batches (by id) -> loop time they started
+        self._ended = asyncio.Event()
+        self._post_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.workers = workers
         self.max_batch = max_batch
         self.max_pending = max_pending
@@ -60,6 +80,8 @@ class Batcher(Generic[J, R]):
 
     async def start(self) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix=self._name)
+        if self._post is not None:
+            self._post_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self._name}-post")
         self._slots = asyncio.Semaphore(self.workers)
         self._idle = self.workers
         self._dispatcher = asyncio.create_task(self._dispatch(), name=f"{self._name}-dispatch")
@@ -74,10 +96,11 @@ class Batcher(Generic[J, R]):
             job = self._queue.get_nowait()
             if not job.future.done():
                 job.future.set_exception(Unavailable("tokenizer is shutting down", "SHUTTING_DOWN"))
-        if self._executor is not None:
-            # Running batches finish in their threads; nobody waits for them any more.
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        for executor in (self._executor, self._post_executor):
+            if executor is not None:
+                # Running batches finish in their threads; nobody waits for them any more.
+                executor.shutdown(wait=False, cancel_futures=True)
+        self._executor = self._post_executor = None
 
     async def submit(self, job: J, size: int = 1) -> R:
         if self._dispatcher is None:
@@ -99,13 +122,32 @@ class Batcher(Generic[J, R]):
         loop = asyncio.get_running_loop()
         while True:
             await self._slots.acquire()
-            batch = self._take(await self._queue.get())
+            first = await self._queue.get()
+            try:
+                await self._stagger()
+            except asyncio.CancelledError:   # closing: the job taken off the queue must not hang
+                if not first.future.done():
+                    first.future.set_exception(Unavailable("tokenizer is shutting down", "SHUTTING_DOWN"))
+                raise
+            batch = self._take(first)
             if not batch:
                 self._slots.release()
                 continue
             self._idle -= 1
+            self._started[id(batch)] = loop.time()
             run = loop.run_in_executor(self._executor, self._run, [entry.job for entry in batch])
             run.add_done_callback(lambda f, b=batch: self._finish(b, f))  # type: ignore[misc]
+
+    async def _stagger(self) -> None:
+        """With `overlap_after`: wait until no batch runs, or the youngest has run that long."""
+        loop = asyncio.get_running_loop()
+        while self._overlap_after > 0 and self._started:
+            wait = max(self._started.values()) + self._overlap_after - loop.time()
+            if wait <= 0:
+                return
+            self._ended.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), wait)
 
     def _take(self, first: _Job[J, R]) -> list[_Job[J, R]]:
         """The first job plus whatever else is queued, up to max_batch in size; cancelled jobs dropped."""
@@ -113,7 +155,7 @@ class Batcher(Generic[J, R]):
         size = 0
         # Leave work for idle workers: split what is queued evenly over this worker and the idle ones
         # (with the library's own thread pool off, a worker thread is the unit of parallelism).
-        jobs = -(-(self._queue.qsize() + 1) // max(1, self._idle))
+        jobs = -(-(self._queue.qsize() + 1) // max(1, self._idle)) if self._overlap_after <= 0 else self.max_batch
         entry: _Job[J, R] | None = first
         while entry is not None:
             if entry.future.done():
@@ -125,17 +167,35 @@ class Batcher(Generic[J, R]):
             entry = self._queue.get_nowait() if more else None
         return batch
 
-    def _run(self, jobs: list[J]) -> Sequence[R | BaseException]:
+    def _run(self, jobs: list[J]) -> Any:
         results = self._process(jobs)
-        if len(results) != len(jobs):
-            raise RuntimeError(f"batch function returned {len(results)} results for {len(jobs)} jobs")
+        if self._post is None:
+            _check_count(results, jobs)
+        return results
+
+    def _run_post(self, jobs: list[J], staged: Any) -> Sequence[R | BaseException]:
+        assert self._post is not None
+        results = self._post(jobs, staged)
+        _check_count(results, jobs)
         return results
 
     def _finish(self, batch: list[_Job[J, R]], run: asyncio.Future[Any]) -> None:
+        """The batch function returned: free its worker, then resolve (or hand to `post`)."""
         assert self._slots is not None
         self._slots.release()
         self._idle += 1
         self.batches_run += 1
+        self._started.pop(id(batch), None)
+        self._ended.set()
+        if self._post is not None and self._post_executor is not None and not run.cancelled() \
+                and run.exception() is None:
+            post = asyncio.get_running_loop().run_in_executor(
+                self._post_executor, self._run_post, [entry.job for entry in batch], run.result())
+            post.add_done_callback(lambda f, b=batch: self._resolve(b, f))  # type: ignore[misc]
+            return
+        self._resolve(batch, run)
+
+    def _resolve(self, batch: list[_Job[J, R]], run: asyncio.Future[Any]) -> None:
         self._pending -= sum(entry.size for entry in batch)
         error = None if run.cancelled() else run.exception()
         if run.cancelled() or error is not None:
@@ -153,3 +213,8 @@ class Batcher(Generic[J, R]):
                     entry.future.set_exception(result)
                 else:
                     entry.future.set_result(result)
+
+
+def _check_count(results: Sequence[Any], jobs: list[Any]) -> None:
+    if len(results) != len(jobs):
+        raise RuntimeError(f"batch function returned {len(results)} results for {len(jobs)} jobs")

@@ -21,11 +21,16 @@ class TokenizerSettings:
     model_config: str = setting("", "explicit config.json (default: next to tokenizer.json)")
     chat_template: str = setting("", "chat template override: a file path, one of the model's named "
                                      "templates, or a built-in name (chatml, gemma)")
-    workers: int = setting(0, "tokenize worker threads (0 = number of cores)")
+    workers: int = setting(0, "tokenize worker threads; 0 = 2 with library parallelism (a batch uses every "
+                              "core; the second covers a batch held up by one long input), else the cores this "
+                              "process may run on")
     library_parallelism: bool = setting(True, "let the tokenizers library spread each batch over its own "
-                                             "thread pool (best for batched calls, which is what the router "
-                                             "sends); off = only the worker threads run in parallel, ~10% "
-                                             "better for many single-input calls (docs/benchmarks.md)")
+                                             "thread pool, batches running one after another (best for "
+                                             "batched calls, which is what the router sends); off = each worker "
+                                             "thread encodes its own batch (docs/benchmarks.md)")
+    overlap_ms: float = setting(20.0, "with library parallelism: a batch may start while another runs only "
+                                      "once that one has run this long (it is then held up by a long input "
+                                      "while the library's other threads idle)")
     max_batch: int = setting(64, "most inputs in one Tokenize call, and the batch size aimed for")
     max_pending: int = setting(4096, "inputs queued or running before Tokenize answers UNAVAILABLE/OVERLOADED")
     max_pending_bytes: int = setting(32 << 20, "text (UTF-8 bytes) queued or being encoded before Tokenize "
@@ -35,6 +40,9 @@ class TokenizerSettings:
                                        "context length when known, else no limit; -1 = no limit")
     chat_cache_tokens: int = setting(20_000_000, "token budget of the per-session chat prefix cache "
                                      "(incremental chat tokenization); 0 = off")
+    switch_interval_ms: float = setting(0.5, "Python's thread switch interval (sys.setswitchinterval; Python's "
+                                              "default is 5): how long a worker that finished encoding may "
+                                              "wait for the interpreter lock before it can start the next batch")
     detok_workers: int = setting(1, "threads that run large Detokenize batches off the event loop")
     max_stream_requests: int = setting(10_000, "most requests open at once on one Detokenize stream")
     metrics_port: int = setting(-1, "Prometheus /metrics port (0 = ephemeral, -1 = off)")
@@ -48,7 +56,13 @@ class TokenizerSettings:
     shutdown_grace: float = setting(5.0, "seconds in-flight calls get to finish on shutdown")
 
     def effective_workers(self) -> int:
-        return self.workers if self.workers > 0 else (os.cpu_count() or 1)
+        if self.workers > 0:
+            return self.workers
+        return 2 if self.library_parallelism else len(os.sched_getaffinity(0))
+
+    def overlap_after(self) -> float:
+        """Seconds before a second batch may join a running one (0 = whenever a worker is free)."""
+        return self.overlap_ms / 1000 if self.library_parallelism else 0.0
 
 
 def load_settings(argv: list[str] | None = None) -> TokenizerSettings:

@@ -61,6 +61,16 @@ class _Call:
     finish: Finish | None
 
 
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """What the worker hands to the post thread: per call its slots (or its error), the
+    tokenizers' Encodings per add_special_tokens flag, and ids of incremental chat inputs."""
+
+    slots: list[list[tuple[bool | None, int]] | BaseException]
+    encodings: dict[bool, Any]
+    incremental: list[list[int]]
+
+
 @dataclass(frozen=True)
 class EncoderLimits:
     max_batch: int = 64             # inputs per call, and the batch size the batcher aims for
@@ -76,15 +86,15 @@ class Encoder:
     """The Tokenize use case; owns the batcher (start/close)."""
 
     def __init__(self, tokenizer: LoadedTokenizer, template: ChatTemplate | None, limits: EncoderLimits,
-                 *, workers: int, chat_cache_tokens: int = 20_000_000) -> None:
+                 *, workers: int, chat_cache_tokens: int = 20_000_000, overlap_after: float = 0.0) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.limits = limits
         self.pending_bytes = 0
         self.chat_cache = ChatPrefixCache(tokenizer.tokenizer, chat_cache_tokens) if chat_cache_tokens > 0 else None
         self.batcher: Batcher[_Call, Any] = Batcher(
-            self._encode_jobs, workers=workers, max_batch=limits.max_batch,
-            max_pending=max(limits.max_pending, limits.max_batch), name="tokenize")
+            self._encode_jobs, post=self._finish_jobs, workers=workers, max_batch=limits.max_batch,
+            max_pending=max(limits.max_pending, limits.max_batch), name="tokenize", overlap_after=overlap_after)
         metrics.LOAD.add_encoder(self.batcher)
 
     async def start(self) -> None:
@@ -150,8 +160,17 @@ class Encoder:
         return sum(_utf8_len(m.get("content") or "") + _utf8_len(m.get("role") or "") for m in item.messages)
 
     # ------------------------------------------------------------------ worker thread
-    def _encode_jobs(self, calls: list[_Call]) -> list[Any]:
-        """Render and encode every call's inputs in (at most three) encode_batch calls."""
+    def _encode_jobs(self, calls: list[_Call]) -> _Encoded:
+        """Render and encode every call's inputs in (at most three) encode_batch calls. The ids
+        are read in `_finish_jobs`, on the batcher's post thread, while this worker (and the
+        library's thread pool) goes on with the next batch."""
+        start = time.perf_counter()
+        try:
+            return self._encode_calls(calls)
+        finally:
+            metrics.BUSY_SECONDS.inc(time.perf_counter() - start)
+
+    def _encode_calls(self, calls: list[_Call]) -> _Encoded:
         texts: dict[bool, list[str]] = {True: [], False: []}
         plans: list[Plan] = []
         slots: list[list[tuple[bool | None, int]] | BaseException] = []
@@ -170,28 +189,29 @@ class Encoder:
                 call_slots.append((special, len(texts[special])))
                 texts[special].append(text)
             slots.append(call_slots)
-        encoded: dict[bool | None, list[list[int]]] = {
-            special: self._encode(batch, special) for special, batch in texts.items()}
-        encoded[None] = self._encode_incremental(plans)
+        # encode_batch releases the GIL and spreads the inputs over the tokenizers' own thread pool.
+        encodings = {special: self.tokenizer.tokenizer.encode_batch_fast(batch, add_special_tokens=special)
+                     if batch else [] for special, batch in texts.items()}
         metrics.BATCH_INPUTS.observe(len(texts[True]) + len(texts[False]) + len(plans))
+        return _Encoded(slots, encodings, self._encode_incremental(plans))
+
+    # ------------------------------------------------------------------ post thread
+    def _finish_jobs(self, calls: list[_Call], encoded: _Encoded) -> list[Any]:
+        """Per call: its ids (or error), limits checked, `finish` applied (the protobuf response)."""
+        ids_of: dict[bool | None, list[list[int]]] = {
+            special: [e.ids for e in batch] for special, batch in encoded.encodings.items()}
+        ids_of[None] = encoded.incremental
         results: list[Any] = []
-        for call, slot in zip(calls, slots, strict=True):
+        for call, slot in zip(calls, encoded.slots, strict=True):
             if isinstance(slot, BaseException):
                 results.append(slot)
                 continue
-            ids = [encoded[special][i] for special, i in slot]
+            ids = [ids_of[special][i] for special, i in slot]
             error = self._check(ids)
             if error is None:
                 _count(call.inputs, ids)
             results.append(error or (call.finish(ids) if call.finish else ids))
         return results
-
-    def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        if not texts:
-            return []
-        # encode_batch releases the GIL and spreads the inputs over the tokenizers' own thread pool.
-        batch = self.tokenizer.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        return [e.ids for e in batch]
 
     def _encode_incremental(self, plans: list[Plan]) -> list[list[int]]:
         if not plans:

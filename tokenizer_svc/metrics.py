@@ -47,6 +47,8 @@ CHAT_REUSED_TOKENS = Counter("tokenrelay_tokenizer_chat_reused_tokens_total",
                              "Chat tokens reused from the previous turn instead of re-tokenized")
 CHAT_CACHE_FALLBACKS = Counter("tokenrelay_tokenizer_chat_cache_fallbacks_total",
                                "Incremental chat tokenizations that fell back to the whole text")
+BUSY_SECONDS = Counter(_P + "tokenize_busy_seconds_total", "Seconds worker threads spent encoding batches "
+                       "(utilization = rate / tokenize_workers)")
 BATCH_INPUTS = Histogram(_P + "tokenize_batch_inputs", "Inputs per encode_batch run", buckets=BATCH_BUCKETS)
 DETOK_TOKENS = Counter(_P + "detok_tokens_total", "Generated tokens detokenized")
 _DETOK_REQUESTS = Counter(_P + "detok_requests_total", "Detokenize requests that ended, by outcome "
@@ -67,6 +69,8 @@ def count_rejection(reason: str) -> None:
 class _HasPending(Protocol):
     @property
     def pending(self) -> int: ...
+
+    workers: int
 
 
 class _HasOpenRequests(Protocol):
@@ -103,6 +107,8 @@ class LoadCollector(Collector):
     def _families(self, encoders: list[_HasPending], streams: list[_HasOpenRequests]) -> Iterator[Metric]:
         yield GaugeMetricFamily(_P + "tokenize_pending_inputs", "Tokenize inputs queued or running",
                                 value=sum(e.pending for e in encoders))
+        yield GaugeMetricFamily(_P + "tokenize_workers", "Worker threads that encode batches",
+                                value=sum(e.workers for e in encoders))
         yield GaugeMetricFamily(_P + "detok_streams", "Open Detokenize streams", value=len(streams))
         yield GaugeMetricFamily(_P + "detok_open_requests", "Requests open on Detokenize streams",
                                 value=sum(s.open_requests for s in streams))

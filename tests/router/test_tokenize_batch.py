@@ -63,3 +63,17 @@ async def test_one_bad_input_fails_only_its_own_request(tokenizer):
         assert (coalescer.calls_sent, coalescer.inputs_sent) == (1 + 1 + 6, 1 + 6 + 6)
     finally:
         await coalescer.close()
+
+
+async def test_waiting_requests_are_spread_over_free_call_slots(tokenizer):
+    """40 requests arriving at an idle coalescer with 2 call slots go as 2 calls of 20, so the
+    replica has one queued behind the one it encodes (one call of 40 left it idle in between)."""
+    stub, tok = tokenizer
+    coalescer = TokenizeCoalescer(stub, timeout=10, max_calls=2)
+    try:
+        texts = [f"request number {i} says hi" for i in range(40)]
+        results = await asyncio.gather(*(coalescer.tokenize(_text(t), 10) for t in texts))
+        assert results == [tok.encode(t).ids for t in texts]
+        assert (coalescer.calls_sent, coalescer.inputs_sent) == (2, 40)
+    finally:
+        await coalescer.close()

@@ -140,3 +140,97 @@ async def test_unexpected_failure_reaches_every_caller_and_close_rejects() -> No
     await batcher.close()
     with pytest.raises(Unavailable):
         await batcher.submit(["late"], 1)
+
+
+async def test_post_stage_frees_the_worker_for_the_next_batch() -> None:
+    post_open = threading.Event()
+    log: list[tuple[str, list[str]]] = []
+
+    def process(jobs: list[str]) -> list[str]:
+        log.append(("process", list(jobs)))
+        return [job.upper() for job in jobs]
+
+    def post(jobs: list[str], staged: list[str]) -> list[str | BaseException]:
+        log.append(("post", list(jobs)))
+        post_open.wait(10)
+        return [InvalidArgument("bad", "BAD_ITEM") if s == "BAD" else s + "!" for s in staged]
+
+    batcher: Batcher[str, str] = Batcher(process, post=post, workers=1, max_batch=8, max_pending=100)
+    await batcher.start()
+    try:
+        first = asyncio.create_task(batcher.submit("a"))
+        await wait_until(lambda: ("post", ["a"]) in log)        # a's results are held in post
+        second = asyncio.create_task(batcher.submit("b"))
+        bad = asyncio.create_task(batcher.submit("bad"))
+        # The one worker took the next batches while the first one's post stage is still held.
+        await wait_until(lambda: sum(len(jobs) for kind, jobs in log if kind == "process") == 3)
+        assert batcher.pending == 3
+        post_open.set()
+        assert await first == "A!" and await second == "B!"
+        with pytest.raises(InvalidArgument):
+            await bad
+        await wait_until(lambda: batcher.pending == 0)
+    finally:
+        post_open.set()
+        await batcher.close()
+
+
+async def test_overlap_after_holds_a_second_batch_until_the_first_has_run_that_long() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=2, max_batch=100, max_pending=100,
+                                                     overlap_after=0.3)
+    await batcher.start()
+    loop = asyncio.get_running_loop()
+    try:
+        gate.open.clear()
+        first = asyncio.create_task(batcher.submit(["a"], 1))
+        await wait_until(gate.entered.is_set)
+        started = loop.time()
+        rest = [asyncio.create_task(batcher.submit([f"x{i}"], 1)) for i in range(3)]
+        await wait_until(lambda: len(gate.batches) == 2)
+        # Held back while the first batch had run less than 0.3 s, then started beside it (the
+        # first is still held: it stands for a batch stuck on one long input), taking all that
+        # was queued rather than a share per idle worker.
+        assert loop.time() - started >= 0.25
+        assert [len(b) for b in gate.batches] == [1, 3]
+        gate.open.set()
+        assert await first == ["A"] and await asyncio.gather(*rest) == [[f"X{i}"] for i in range(3)]
+    finally:
+        gate.open.set()
+        await batcher.close()
+
+
+async def test_without_overlap_after_queued_work_is_split_over_idle_workers() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=3, max_batch=100, max_pending=100)
+    await batcher.start()
+    try:
+        gate.open.clear()
+        jobs = [asyncio.create_task(batcher.submit([f"x{i}"], 1)) for i in range(6)]
+        await wait_until(lambda: len(gate.batches) == 3)
+        assert sorted(len(b) for b in gate.batches) == [2, 2, 2]
+        gate.open.set()
+        await asyncio.gather(*jobs)
+    finally:
+        gate.open.set()
+        await batcher.close()
+
+
+async def test_close_while_a_batch_waits_to_overlap_fails_it_cleanly() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=2, max_batch=8, max_pending=100,
+                                                     overlap_after=30)
+    await batcher.start()
+    gate.open.clear()
+    first = asyncio.create_task(batcher.submit(["a"], 1))
+    try:
+        await wait_until(gate.entered.is_set)
+        waiting = asyncio.create_task(batcher.submit(["b"], 1))
+        await asyncio.sleep(0.05)     # taken off the queue by the dispatcher, held by the stagger
+        await batcher.close()
+        with pytest.raises(Unavailable) as info:
+            await waiting
+        assert info.value.reason == "SHUTTING_DOWN"
+    finally:
+        gate.open.set()
+        first.cancel()

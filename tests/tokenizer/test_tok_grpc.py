@@ -18,6 +18,7 @@ from tok_artefacts import SAMPLES, TEXT, build_bytelevel
 from services.errors import from_rpc_error
 from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.wire import unpack_ids
 from tokenizer_svc.app import TokenizerApp
 from tokenizer_svc.config import TokenizerSettings
 
@@ -85,6 +86,16 @@ async def test_batched_tokenize_matches_the_tokenizer(tiny_dirs: dict[str, pathl
         rendered = app.encoder.template.render([{"role": r, "content": c} for r, c in chat], False)  # type: ignore[union-attr]
         assert ids[3] == raw.encode(rendered, add_special_tokens=False).ids
         assert ids[3][0] == 1 and ids[3].count(1) == 2    # BOS written by the template, per turn
+
+
+async def test_packed_ids_equal_the_repeated_ids(tiny_dirs: dict[str, pathlib.Path]) -> None:
+    async with running(tiny_dirs["tiny-sentencepiece"]) as (_, stub):
+        inputs = [text_input(TEXT), text_input(""), text_input(SAMPLES[3], special=False)]
+        plain = await stub.Tokenize(pb.TokenizeRequest(inputs=inputs))
+        packed = await stub.Tokenize(pb.TokenizeRequest(inputs=inputs, packed_ids=True))
+        assert all(not r.packed_ids for r in plain.results) and all(not r.ids for r in packed.results)
+        assert [unpack_ids(r.packed_ids) for r in packed.results] == [list(r.ids) for r in plain.results]
+        assert len(packed.results[0].packed_ids) == 4 * len(plain.results[0].ids) > 0
 
 
 async def test_concurrent_callers_get_their_own_results(tiny_dirs: dict[str, pathlib.Path]) -> None:

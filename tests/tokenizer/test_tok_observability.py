@@ -95,6 +95,7 @@ async def test_metrics_count_calls_tokens_and_outcomes(tiny_dirs: dict[str, path
         "tokens": sample("tokenrelay_tokenizer_tokenize_tokens_total"),
         "detok": sample("tokenrelay_tokenizer_detok_tokens_total"),
         "closed": sample("tokenrelay_tokenizer_detok_requests_total", outcome="closed"),
+        "busy": sample("tokenrelay_tokenizer_tokenize_busy_seconds_total"),
     }
     app = TokenizerApp(TokenizerSettings(tokenizer=str(tiny_dirs["tiny-sentencepiece"]), port=0, workers=1))
     await app.start()
@@ -103,6 +104,7 @@ async def test_metrics_count_calls_tokens_and_outcomes(tiny_dirs: dict[str, path
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             chat = pb.TokenizeInput(chat=pb.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content="x")]))
             resp = await stub.Tokenize(pb.TokenizeRequest(inputs=[pb.TokenizeInput(text="a b"), chat]))
+            assert sample("tokenrelay_tokenizer_tokenize_workers") >= 1
             with pytest.raises(Exception):  # noqa: B017 - the code is checked elsewhere; here its count
                 await stub.Tokenize(pb.TokenizeRequest())
             call = stub.Detokenize()
@@ -121,5 +123,6 @@ async def test_metrics_count_calls_tokens_and_outcomes(tiny_dirs: dict[str, path
     assert sample("tokenrelay_tokenizer_tokenize_tokens_total") == before["tokens"] + sum(
         len(r.ids) for r in resp.results)
     assert sample("tokenrelay_tokenizer_detok_tokens_total") == before["detok"] + 3
+    assert sample("tokenrelay_tokenizer_tokenize_busy_seconds_total") > before["busy"]
     assert sample("tokenrelay_tokenizer_detok_requests_total", outcome="closed") == before["closed"] + 1
     await wait_for(lambda: sample("tokenrelay_tokenizer_detok_open_requests") == 0)

@@ -28,16 +28,20 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., cache_key: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("inputs",)
+    __slots__ = ("inputs", "packed_ids")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_IDS_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[TokenizeInput]
-    def __init__(self, inputs: _Optional[_Iterable[_Union[TokenizeInput, _Mapping]]] = ...) -> None: ...
+    packed_ids: bool
+    def __init__(self, inputs: _Optional[_Iterable[_Union[TokenizeInput, _Mapping]]] = ..., packed_ids: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResult(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "packed_ids")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed_ids: bytes
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., packed_ids: _Optional[bytes] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("results",)
