@@ -54,7 +54,7 @@ DEFAULT_TOKENIZER = SHARED / "tokenizers" / "gpt2" / "tokenizer.json"
 @dataclass
 class TokenizeRow:
     mode: str  # "direct": a Tokenize call per request; "coalesced": the router's batching client
-    prompt_tokens: int
+    prompt_tokens: int   # mean over the prompts used
     clients: int
     requests: int
     service_tok_s: float
@@ -195,8 +195,6 @@ async def measure_service(stubs: list[Any], prompts: list[str], clients: int,
                           seconds: float) -> tuple[float, list[float], int]:
     """One Tokenize call per request; client k calls replica k mod R."""
     requests = [pb.TokenizeRequest(inputs=[pb.TokenizeInput(text=p)]) for p in prompts]
-    for k, req in enumerate(requests[:clients]):
-        await stubs[k % len(stubs)].Tokenize(req)                           # warm-up
 
     async def call(i: int) -> int:
         resp = await stubs[i % clients % len(stubs)].Tokenize(requests[i % len(requests)])
@@ -231,6 +229,10 @@ async def measure_point(tok: Tokenizer, raw_encoder: RawEncoder, services: list[
 
     for _ in range(args.rounds):
         raw, raw_per_cpu = raw_encoder.measure(prompts, clients, args.seconds / args.rounds)
+        if mode == "direct":   # warm-up, outside the CPU window: a call per client
+            await asyncio.gather(*(services[k % len(services)].stub.Tokenize(
+                pb.TokenizeRequest(inputs=[pb.TokenizeInput(text=prompts[k % len(prompts)])]))
+                for k in range(clients)))
         before = service_cpu()
         if mode == "coalesced":
             svc, lat, tokens = await measure_coalesced([s.address for s in services], prompts, clients,
@@ -245,7 +247,8 @@ async def measure_point(tok: Tokenizer, raw_encoder: RawEncoder, services: list[
         ratios.append(svc / raw)
         latencies.extend(lat)
     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [latencies[0]] * 99
-    return TokenizeRow(mode, len(tok.encode(prompts[0], add_special_tokens=False).ids), clients, len(latencies),
+    mean_tokens = round(statistics.mean(len(e.ids) for e in tok.encode_batch_fast(prompts, add_special_tokens=False)))
+    return TokenizeRow(mode, mean_tokens, clients, len(latencies),
                        statistics.median(rates), statistics.median(raws), statistics.median(ratios),
                        statistics.median(latencies) * 1e3, q[98] * 1e3, statistics.median(svc_cpu),
                        statistics.median(raw_cpu), statistics.median(svc_cpu) / statistics.median(raw_cpu))
@@ -348,7 +351,7 @@ def split_groups(cpus: set[int] | None, groups: int) -> list[set[int] | None]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    text = TEXT_FILE.read_text(encoding="utf-8")
+    text = args.text.read_text(encoding="utf-8")
     tok = Tokenizer.from_file(str(args.tokenizer))
     tok.no_padding()
     tok.no_truncation()
@@ -373,7 +376,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         total_tokens = len(tok.encode(text, add_special_tokens=False).ids)
         for size in args.sizes:
             # Many distinct prompts, so repeats do not just measure the tokenizer's word cache.
-            prompts = make_prompts(tok, text, size, max(args.clients, min(64, total_tokens // size)))
+            if size == "mixed":   # mostly 2k prompts, every 16th a 32k one (a long chat among short ones)
+                short = make_prompts(tok, text, 2048, 60)
+                long = make_prompts(tok, text, 32768, 4)
+                prompts = [long[i // 16] if i % 16 == 15 else short[i - i // 16] for i in range(64)]
+            else:
+                prompts = make_prompts(tok, text, int(size), max(args.clients, min(64, total_tokens // int(size))))
             if "direct" in args.modes:
                 for clients in sorted({1, args.clients}):
                     rows.append(await measure_point(tok, raw_encoder, services, prompts, clients, args))
@@ -434,10 +442,12 @@ def print_table(result: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", type=pathlib.Path, default=DEFAULT_TOKENIZER)
+    parser.add_argument("--text", type=pathlib.Path, default=TEXT_FILE, help="text the prompts are cut from")
     parser.add_argument("--clients", type=int, default=16, help="N concurrent clients (1 is always run)")
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per point and side")
     parser.add_argument("--rounds", type=int, default=4, help="alternating raw/service rounds per point")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 32768], help="prompt sizes in tokens")
+    parser.add_argument("--sizes", nargs="+", default=["2048", "32768"],
+                        help="prompt sizes in tokens, or 'mixed' (15 of 16 prompts 2k tokens, one 32k)")
     parser.add_argument("--modes", nargs="+", choices=["direct", "coalesced"], default=["direct", "coalesced"],
                         help="direct: a Tokenize call per request; coalesced: the router's batching client")
     parser.add_argument("--replicas", type=int, default=1, help="tokenizer_svc processes, the service cores "
@@ -459,8 +469,8 @@ def main() -> None:
     if args.raw_worker:
         raw_worker(args.tokenizer)
         return
-    if not TEXT_FILE.exists() or not args.tokenizer.exists():
-        print(f"skipped: {TEXT_FILE} or {args.tokenizer} is absent (development data from ../shared/data)")
+    if not args.text.exists() or not args.tokenizer.exists():
+        print(f"skipped: {args.text} or {args.tokenizer} is absent (development data from ../shared/data)")
         return
     result = asyncio.run(run(args))
     if args.json_out:
