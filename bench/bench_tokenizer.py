@@ -114,12 +114,13 @@ def _pin(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
-def _child_env(cpus: set[int] | None) -> dict[str, str]:
+def _child_env(cpus: set[int] | None, threads: int = 0) -> dict[str, str]:
     """The tokenizers library's thread pool sized to the pinned cores (some sandboxes, gVisor
-    among them, accept an affinity mask without enforcing it; the pool size still holds)."""
+    among them, accept an affinity mask without enforcing it; the pool size still holds), or to
+    `threads` for unpinned replicas that share the cores."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    if cpus:
-        env["RAYON_NUM_THREADS"] = str(len(cpus))
+    if cpus or threads:
+        env["RAYON_NUM_THREADS"] = str(len(cpus) if cpus else threads)
     return env
 
 
@@ -305,8 +306,8 @@ async def detok_multiplexed(stub: Any, ids: list[list[int]]) -> float:
 class Service:
     """`python -m tokenizer_svc` on an ephemeral port, pinned to `cpus` when given."""
 
-    def __init__(self, tokenizer: pathlib.Path, workers: int, cpus: set[int] | None,
-                 extra: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: pathlib.Path, cpus: set[int] | None, extra: list[str] | None = None,
+                 threads: int = 0) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="bench-tok-")
         self.port_file = pathlib.Path(self._dir.name) / "port"
         self.log = open(pathlib.Path(self._dir.name) / "log", "w")  # closed in stop()
@@ -314,7 +315,8 @@ class Service:
             [sys.executable, "-m", "tokenizer_svc", "--tokenizer", str(tokenizer), "--port", "0",
              "--port-file", str(self.port_file), "--log-level", "WARNING",
              "--max-input-tokens", "-1", "--max-batch", "256", *(extra or [])],
-            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_pin(cpus), env=_child_env(cpus))
+            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_pin(cpus),
+            env=_child_env(cpus, threads))
         self.address = ""
         self.channel: Any = None
         self.stub: Any = None
@@ -364,8 +366,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         client_cpus = parse_cpus(args.client_cpus) if args.client_cpus else client_cpus
         os.sched_setaffinity(0, client_cpus)   # before any channel, so gRPC's threads inherit it
     groups = split_groups(service_cpus, args.replicas)
-    workers = [len(group or available) for group in groups]
-    services = [Service(args.tokenizer, w, group, args.service_arg) for w, group in zip(workers, groups, strict=True)]
+    # Unpinned replicas (--shared) share the cores: each library pool gets its share of them.
+    shared_threads = max(1, len(available) // args.replicas) if args.replicas > 1 else 0
+    services = [Service(args.tokenizer, group, args.service_arg, shared_threads) for group in groups]
     raw_encoder = RawEncoder(args.tokenizer, service_cpus)
     rows: list[TokenizeRow] = []
     detok: list[DetokRow] = []
@@ -404,8 +407,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raw_encoder.stop()
     return {"tokenizer": str(args.tokenizer), "cores": len(available), "seconds_per_point": args.seconds,
             "service_cpus": sorted(service_cpus or available), "client_cpus": sorted(client_cpus or available),
-            "replicas": [sorted(group or available) for group in groups], "service_workers": workers,
-            "host": _host(),
+            "replicas": [sorted(group or available) for group in groups], "host": _host(),
             "tokenize": [asdict(r) for r in rows], "detokenize": [asdict(r) for r in detok]}
 
 
