@@ -28,6 +28,9 @@ class TokenizerSettings:
                                              "thread pool, batches running one after another (best for "
                                              "batched calls, which is what the router sends); off = each worker "
                                              "thread encodes its own batch (docs/benchmarks.md)")
+    library_threads: int = setting(0, "threads of the tokenizers library's pool (0 = the cores this process may "
+                                      "run on); N replicas on one host should get a share each, as "
+                                      "`tokenrelay up --tokenizers N` does (read once, at start)")
     overlap_ms: float = setting(20.0, "with library parallelism: a batch may start while another runs only "
                                       "once that one has run this long (it is then held up by a long input "
                                       "while the library's other threads idle)")

@@ -135,9 +135,10 @@ class Mesh:
     async def start(self) -> str:
         self.o.run_dir.mkdir(parents=True, exist_ok=True)
         await self._start_redis()
+        replicas = max(1, self.o.tokenizer_replicas)
         toks = [self._service(f"tokenizer{i}" if i else "tokenizer", "tokenizer_svc",
-                              ["--tokenizer", str(self.o.model), *self.o.tokenizer_args])
-                for i in range(max(1, self.o.tokenizer_replicas))]
+                              tokenizer_argv(self.o.model, replicas, self.o.tokenizer_args))
+                for i in range(replicas)]
         eng = self._service("engine", "engine_svc",
                             ["--backend", self.o.engine, "--model", str(self.o.model),
                              *engine_args_for(self.o.model, self.o.engine), *self.o.engine_args])
@@ -228,3 +229,15 @@ def read_state(path: pathlib.Path = DEFAULT_STATE) -> dict[str, str]:
     except FileNotFoundError:
         raise SystemExit(f"no running mesh found ({path} is missing): start one with `tokenrelay up`, "
                          "or pass --address and --api-key") from None
+
+
+def tokenizer_argv(model: pathlib.Path, replicas: int, extra: list[str],
+                   cores: int | None = None) -> list[str]:
+    """Flags of each tokenizer replica: several replicas on this host share its cores, so each
+    library pool gets its share (N pools of every core each oversubscribe the cores: on 2 cores,
+    2 replicas went from 0.65 to 0.82 of raw encode_batch). `extra` comes last and wins."""
+    argv = ["--tokenizer", str(model)]
+    if replicas > 1:
+        cores = cores if cores is not None else len(os.sched_getaffinity(0))
+        argv += ["--library-threads", str(max(1, cores // replicas))]
+    return [*argv, *extra]

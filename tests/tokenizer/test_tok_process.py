@@ -94,3 +94,38 @@ async def test_process_serves_and_stops_on_sigterm(tmp_path: pathlib.Path,
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def _threads_after_a_batch(tmp_path: pathlib.Path, tokenizer: pathlib.Path, library_threads: int) -> int:
+    """Threads of a tokenizer process started with --library-threads N, after one batched call."""
+    port_file = tmp_path / f"lib{library_threads}.port"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tokenizer_svc", "--tokenizer", str(tokenizer), "--port", "0",
+        "--port-file", str(port_file), "--library-threads", str(library_threads), "--log-level", "WARNING",
+        cwd=REPO, env={k: v for k, v in _env().items() if k != "RAYON_NUM_THREADS"},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.returncode is None and time.monotonic() < deadline, "tokenizer did not start"
+            await asyncio.sleep(0.05)
+        address = f"127.0.0.1:{int(port_file.read_text())}"
+        await wait_healthy(address, timeout=30)
+        async with insecure_channel(address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+            await stub.Tokenize(tokenizer_pb2.TokenizeRequest(
+                inputs=[tokenizer_pb2.TokenizeInput(text=f"text number {i}") for i in range(16)]))
+        return len(os.listdir(f"/proc/{proc.pid}/task"))
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_library_threads_sizes_the_library_pool(tmp_path: pathlib.Path,
+                                                      tiny_dirs: dict[str, pathlib.Path]) -> None:
+    """`--library-threads` (what `tokenrelay up --tokenizers N` gives each replica) sizes the
+    tokenizers library's pool: everything else equal, 3 threads there make 2 more than 1."""
+    tokenizer = tiny_dirs["tiny-bytelevel"]
+    one = await _threads_after_a_batch(tmp_path, tokenizer, 1)
+    three = await _threads_after_a_batch(tmp_path, tokenizer, 3)
+    assert three - one == 2
