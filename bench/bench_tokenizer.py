@@ -225,8 +225,13 @@ async def measure_point(tok: Tokenizer, raw_encoder: RawEncoder, services: list[
     raws, rates, ratios, latencies, raw_cpu, svc_cpu = [], [], [], [], [], []
     procs = [psutil.Process(service.proc.pid) for service in services]
 
-    def service_cpu() -> float:
-        return sum(sum(proc.cpu_times()[:2]) for proc in procs)
+    def service_cpu() -> float:   # encoder processes (--encode-processes) included
+        total = 0.0
+        for proc in procs:
+            for p in (proc, *proc.children(recursive=True)):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    total += sum(p.cpu_times()[:2])
+        return total
 
     for _ in range(args.rounds):
         raw, raw_per_cpu = raw_encoder.measure(prompts, clients, args.seconds / args.rounds)

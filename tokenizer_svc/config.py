@@ -31,6 +31,9 @@ class TokenizerSettings:
     library_threads: int = setting(0, "threads of the tokenizers library's pool (0 = the cores this process may "
                                       "run on); N replicas on one host should get a share each, as "
                                       "`tokenrelay up --tokenizers N` does (read once, at start)")
+    encode_processes: int = setting(0, "encode in N child processes of their own (each one core, ids packed "
+                                       "there), so the Python work per id runs on every core rather than "
+                                       "under this process's one lock; 0 = in this process (library pool)")
     overlap_ms: float = setting(20.0, "with library parallelism: a batch may start while another runs only "
                                       "once that one has run this long (it is then held up by a long input "
                                       "while the library's other threads idle)")
@@ -61,11 +64,11 @@ class TokenizerSettings:
     def effective_workers(self) -> int:
         if self.workers > 0:
             return self.workers
-        return 2 if self.library_parallelism else len(os.sched_getaffinity(0))
+        return 2 if self.library_parallelism or self.encode_processes else len(os.sched_getaffinity(0))
 
     def overlap_after(self) -> float:
         """Seconds before a second batch may join a running one (0 = whenever a worker is free)."""
-        return self.overlap_ms / 1000 if self.library_parallelism else 0.0
+        return self.overlap_ms / 1000 if self.library_parallelism or self.encode_processes else 0.0
 
 
 def load_settings(argv: list[str] | None = None) -> TokenizerSettings:

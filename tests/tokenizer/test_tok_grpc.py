@@ -98,6 +98,25 @@ async def test_packed_ids_equal_the_repeated_ids(tiny_dirs: dict[str, pathlib.Pa
         assert len(packed.results[0].packed_ids) == 4 * len(plain.results[0].ids) > 0
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+async def test_encoder_processes_answer_like_the_library(tiny_dirs: dict[str, pathlib.Path], processes: int) -> None:
+    """--encode-processes: the same ids, packed or not, for texts and chats; limits still apply."""
+    async with running(tiny_dirs["tiny-sentencepiece"], encode_processes=processes,
+                       max_input_tokens=1000) as (app, stub):
+        raw = app.encoder.tokenizer.tokenizer  # type: ignore[union-attr]
+        chat = [("system", "Be brief."), ("user", "Hi 👋")]
+        inputs = [text_input(TEXT), text_input(SAMPLES[3], special=False), text_input(""), chat_input(chat)]
+        plain = await stub.Tokenize(pb.TokenizeRequest(inputs=inputs))
+        packed = await stub.Tokenize(pb.TokenizeRequest(inputs=inputs, packed_ids=True))
+        rendered = app.encoder.template.render([{"role": r, "content": c} for r, c in chat], True)  # type: ignore[union-attr]
+        expected = [raw.encode(TEXT).ids, raw.encode(SAMPLES[3], add_special_tokens=False).ids, raw.encode("").ids,
+                    raw.encode(rendered, add_special_tokens=False).ids]
+        assert [list(r.ids) for r in plain.results] == expected
+        assert [unpack_ids(r.packed_ids) for r in packed.results] == expected
+        await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[text_input(TEXT * 20)])),
+                           grpc.StatusCode.INVALID_ARGUMENT, "PROMPT_TOO_LONG")
+
+
 async def test_concurrent_callers_get_their_own_results(tiny_dirs: dict[str, pathlib.Path]) -> None:
     async with running(tiny_dirs["tiny-bytelevel"], workers=1) as (app, stub):
         raw = app.encoder.tokenizer.tokenizer  # type: ignore[union-attr]
