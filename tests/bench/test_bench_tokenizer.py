@@ -4,29 +4,20 @@ synthetic text), so the script that produces docs/benchmarks.md keeps working.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
+from tests.scripts import load_script
 from tests.tiny_model import build_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "bench_tokenizer.py"
 
 
-def _load_bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_tokenizer", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_script("bench_tokenizer")
 
 
 def test_core_lists_and_splits() -> None:

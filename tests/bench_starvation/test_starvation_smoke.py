@@ -6,7 +6,6 @@ is the script's synthetic one."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -18,22 +17,14 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
+from tests.scripts import load_script
 from tests.tiny_model import build_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "bench_starvation.py"
 
 
-def _load_bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_starvation", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_script("bench_starvation")
 
 
 @pytest.fixture(scope="module")
