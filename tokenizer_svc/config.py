@@ -31,9 +31,10 @@ class TokenizerSettings:
     library_threads: int = setting(0, "threads of the tokenizers library's pool (0 = the cores this process may "
                                       "run on); N replicas on one host should get a share each, as "
                                       "`tokenrelay up --tokenizers N` does (read once, at start)")
-    encode_processes: int = setting(0, "encode in N child processes of their own (each one core, ids packed "
-                                       "there), so the Python work per id runs on every core rather than "
-                                       "under this process's one lock; 0 = in this process (library pool)")
+    encode_processes: int = setting(0, "experimental: encode in N child processes of their own (each one core, "
+                                       "ids packed there), so the Python work per id runs on every core rather "
+                                       "than under this process's one lock; slower on 1-2 cores, not yet "
+                                       "measured on many (docs/benchmarks.md); 0 = in this process")
     overlap_ms: float = setting(20.0, "with library parallelism: a batch may start while another runs only "
                                       "once that one has run this long (it is then held up by a long input "
                                       "while the library's other threads idle)")
