@@ -187,13 +187,17 @@ class Batcher(Generic[J, R]):
         self.batches_run += 1
         self._started.pop(id(batch), None)
         self._ended.set()
-        if self._post is not None and self._post_executor is not None and not run.cancelled() \
-                and run.exception() is None:
-            post = asyncio.get_running_loop().run_in_executor(
-                self._post_executor, self._run_post, [entry.job for entry in batch], run.result())
-            post.add_done_callback(lambda f, b=batch: self._resolve(b, f))  # type: ignore[misc]
+        if self._post is None or run.cancelled() or run.exception() is not None:
+            self._resolve(batch, run)
             return
-        self._resolve(batch, run)
+        if self._post_executor is None:   # closed while the batch ran: its output has nowhere to go
+            run = asyncio.get_running_loop().create_future()
+            run.cancel()
+            self._resolve(batch, run)
+            return
+        post = asyncio.get_running_loop().run_in_executor(
+            self._post_executor, self._run_post, [entry.job for entry in batch], run.result())
+        post.add_done_callback(lambda f, b=batch: self._resolve(b, f))  # type: ignore[misc]
 
     def _resolve(self, batch: list[_Job[J, R]], run: asyncio.Future[Any]) -> None:
         self._pending -= sum(entry.size for entry in batch)

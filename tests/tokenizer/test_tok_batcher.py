@@ -234,3 +234,18 @@ async def test_close_while_a_batch_waits_to_overlap_fails_it_cleanly() -> None:
     finally:
         gate.open.set()
         first.cancel()
+
+
+async def test_close_while_a_batch_encodes_before_its_post_stage_fails_it_cleanly() -> None:
+    gate = Gate()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, post=lambda jobs, staged: staged, workers=1,
+                                                     max_batch=8, max_pending=100)
+    await batcher.start()
+    gate.open.clear()
+    held = asyncio.create_task(batcher.submit(["a"], 1))
+    await wait_until(gate.entered.is_set)
+    await batcher.close()
+    gate.open.set()       # the batch function returns after close: there is no post stage any more
+    with pytest.raises(Unavailable) as info:
+        await asyncio.wait_for(held, 5)
+    assert info.value.reason == "SHUTTING_DOWN"
