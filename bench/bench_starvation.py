@@ -179,7 +179,7 @@ class MeshSystem(System):
 
     async def start(self) -> str:
         self.o.tokenizer_replicas = self.replicas
-        self.o.tokenizer_args = ["--workers", str(self.args.tokenizer_workers)]
+        self.o.tokenizer_args = ["--workers", str(self.args.tokenizer_workers), "--library-threads", "1"]
         self.o.engine_args = engine_flags(self.args, str(self.vocab))
         return await super().start()
 
