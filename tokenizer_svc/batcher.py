@@ -93,9 +93,7 @@ class Batcher(Generic[J, R]):
                 await self._dispatcher
             self._dispatcher = None
         while not self._queue.empty():
-            job = self._queue.get_nowait()
-            if not job.future.done():
-                job.future.set_exception(Unavailable("tokenizer is shutting down", "SHUTTING_DOWN"))
+            _fail([self._queue.get_nowait()], shutting_down())
         for executor in (self._executor, self._post_executor):
             if executor is not None:
                 # Running batches finish in their threads; nobody waits for them any more.
@@ -126,8 +124,7 @@ class Batcher(Generic[J, R]):
             try:
                 await self._stagger()
             except asyncio.CancelledError:   # closing: the job taken off the queue must not hang
-                if not first.future.done():
-                    first.future.set_exception(Unavailable("tokenizer is shutting down", "SHUTTING_DOWN"))
+                _fail([first], shutting_down())
                 raise
             batch = self._take(first)
             if not batch:
@@ -191,9 +188,8 @@ class Batcher(Generic[J, R]):
             self._resolve(batch, run)
             return
         if self._post_executor is None:   # closed while the batch ran: its output has nowhere to go
-            run = asyncio.get_running_loop().create_future()
-            run.cancel()
-            self._resolve(batch, run)
+            self._pending -= sum(entry.size for entry in batch)
+            _fail(batch, shutting_down())
             return
         post = asyncio.get_running_loop().run_in_executor(
             self._post_executor, self._run_post, [entry.job for entry in batch], run.result())
@@ -204,19 +200,26 @@ class Batcher(Generic[J, R]):
         error = None if run.cancelled() else run.exception()
         if run.cancelled() or error is not None:
             log.error("batch_failed", batcher=self._name, error=repr(error))
-        for i, entry in enumerate(batch):
+            _fail(batch, error or shutting_down())
+            return
+        for entry, result in zip(batch, run.result(), strict=True):
             if entry.future.done():
                 continue
-            if run.cancelled():
-                entry.future.set_exception(Unavailable("tokenizer is shutting down", "SHUTTING_DOWN"))
-            elif error is not None:
-                entry.future.set_exception(error)
+            if isinstance(result, BaseException):
+                entry.future.set_exception(result)
             else:
-                result = run.result()[i]
-                if isinstance(result, BaseException):
-                    entry.future.set_exception(result)
-                else:
-                    entry.future.set_result(result)
+                entry.future.set_result(result)
+
+
+def shutting_down() -> Unavailable:
+    return Unavailable("tokenizer is shutting down", "SHUTTING_DOWN")
+
+
+def _fail(batch: Sequence[_Job[Any, Any]], error: BaseException) -> None:
+    """Every job of `batch` still waiting gets `error`."""
+    for entry in batch:
+        if not entry.future.done():
+            entry.future.set_exception(error)
 
 
 def _check_count(results: Sequence[Any], jobs: list[Any]) -> None:

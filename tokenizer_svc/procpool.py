@@ -24,6 +24,7 @@ from typing import Any
 
 from services.errors import Unavailable
 from services.logging import get_logger
+from tokenizer_svc.batcher import shutting_down
 
 log = get_logger(__name__)
 
@@ -92,7 +93,7 @@ class EncodeProcessPool:
         next chunk, so one long text does not hold the others back; a batch holds only children
         that are working on its chunks, so concurrent batches share the children without deadlock."""
         if self._closed:
-            raise Unavailable("tokenizer is shutting down", "SHUTTING_DOWN")
+            raise shutting_down()
         out: list[bytes] = [b""] * len(texts)
         todo = _chunks(texts, self.processes)
         busy: dict[Any, tuple[_Child, int, int]] = {}
@@ -105,7 +106,7 @@ class EncodeProcessPool:
                     break
                 if child is None:   # closing: wake the next waiter too
                     self._idle.put(None)
-                    raise Unavailable("tokenizer is shutting down", "SHUTTING_DOWN")
+                    raise shutting_down()
                 start, end = todo.pop()
                 try:
                     child.conn.send((texts[start:end], add_special_tokens))
