@@ -60,22 +60,32 @@ def test_settings_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) ->
         load_settings([])
 
 
+async def _serving(port_file: pathlib.Path, *args: str, stdout: int) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m tokenizer_svc ARGS` on an ephemeral port, once healthy: (process, address)."""
+    env = {k: v for k, v in _env().items() if k != "RAYON_NUM_THREADS"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tokenizer_svc", "--port", "0", "--port-file", str(port_file), *args,
+        cwd=REPO, env=env, stdout=stdout, stderr=asyncio.subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.returncode is not None or time.monotonic() > deadline:
+            if proc.returncode is None:
+                proc.kill()
+            raise AssertionError(f"tokenizer did not start: {(await proc.communicate())[0]!r}")
+        await asyncio.sleep(0.05)
+    address = f"127.0.0.1:{int(port_file.read_text())}"
+    await wait_healthy(address, timeout=30)
+    return proc, address
+
+
 async def test_process_serves_and_stops_on_sigterm(tmp_path: pathlib.Path,
                                                    tiny_dirs: dict[str, pathlib.Path]) -> None:
-    port_file, metrics_file = tmp_path / "tok.port", tmp_path / "metrics.port"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenizer_svc", "--tokenizer", str(tiny_dirs["tiny-sentencepiece"]),
-        "--port", "0", "--port-file", str(port_file), "--log-format", "console", "--shutdown-grace", "1",
-        "--metrics-port", "0", "--metrics-port-file", str(metrics_file),
-        cwd=REPO, env=_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    metrics_file = tmp_path / "metrics.port"
+    proc, address = await _serving(
+        tmp_path / "tok.port", "--tokenizer", str(tiny_dirs["tiny-sentencepiece"]), "--log-format", "console",
+        "--shutdown-grace", "1", "--metrics-port", "0", "--metrics-port-file", str(metrics_file),
+        stdout=asyncio.subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.returncode is None, (await proc.communicate())[0]
-            assert time.monotonic() < deadline, "no port file"
-            await asyncio.sleep(0.05)
-        address = f"127.0.0.1:{int(port_file.read_text())}"
-        await wait_healthy(address, timeout=30)
         async with insecure_channel(address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             info = await stub.Info(tokenizer_pb2.InfoRequest())
@@ -98,19 +108,10 @@ async def test_process_serves_and_stops_on_sigterm(tmp_path: pathlib.Path,
 
 async def _threads_after_a_batch(tmp_path: pathlib.Path, tokenizer: pathlib.Path, library_threads: int) -> int:
     """Threads of a tokenizer process started with --library-threads N, after one batched call."""
-    port_file = tmp_path / f"lib{library_threads}.port"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenizer_svc", "--tokenizer", str(tokenizer), "--port", "0",
-        "--port-file", str(port_file), "--library-threads", str(library_threads), "--log-level", "WARNING",
-        cwd=REPO, env={k: v for k, v in _env().items() if k != "RAYON_NUM_THREADS"},
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    proc, address = await _serving(tmp_path / f"lib{library_threads}.port", "--tokenizer", str(tokenizer),
+                                   "--library-threads", str(library_threads), "--log-level", "WARNING",
+                                   stdout=asyncio.subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.returncode is None and time.monotonic() < deadline, "tokenizer did not start"
-            await asyncio.sleep(0.05)
-        address = f"127.0.0.1:{int(port_file.read_text())}"
-        await wait_healthy(address, timeout=30)
         async with insecure_channel(address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             await stub.Tokenize(tokenizer_pb2.TokenizeRequest(
