@@ -20,7 +20,6 @@ from tokenizer_svc.config import TokenizerSettings
 from tokenizer_svc.detok_stream import Detokenizer
 from tokenizer_svc.encoder import Encoder, EncoderLimits
 from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
-from tokenizer_svc.procpool import EncodeProcessPool
 from tokenizer_svc.servicer import SERVICE_NAME, TokenizerServicer
 
 log = get_logger(__name__)
@@ -54,7 +53,6 @@ class TokenizerApp:
         self.encoder: Encoder | None = None
         self.detokenizer: Detokenizer | None = None
         self.server: GrpcServer | None = None
-        self.processes: EncodeProcessPool | None = None
 
     @property
     def address(self) -> str:
@@ -67,13 +65,8 @@ class TokenizerApp:
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if s.library_parallelism else "false"
         # Parsing a large tokenizer.json takes a while: keep the loop free (signals, health).
         loaded, template = await asyncio.to_thread(load_domain, s)
-        if s.encode_processes > 0:
-            # The children get the tokenizer as loaded here (added tokens included), as JSON.
-            self.processes = EncodeProcessPool(loaded.tokenizer.to_str(), s.encode_processes)
-            await asyncio.to_thread(self.processes.start)
         self.encoder = Encoder(loaded, template, encoder_limits(s, loaded), workers=s.effective_workers(),
-                               chat_cache_tokens=s.chat_cache_tokens, overlap_after=s.overlap_after(),
-                               processes=self.processes)
+                               chat_cache_tokens=s.chat_cache_tokens, overlap_after=s.overlap_after())
         await self.encoder.start()
         self.detokenizer = Detokenizer(loaded, workers=max(1, s.detok_workers),
                                        max_requests_per_stream=s.max_stream_requests)
@@ -91,8 +84,6 @@ class TokenizerApp:
             await self.server.stop(self.settings.shutdown_grace)
         if self.encoder is not None:
             await self.encoder.close()
-        if self.processes is not None:
-            await asyncio.to_thread(self.processes.close)
         if self.detokenizer is not None:
             await self.detokenizer.close()
         log.info("tokenizer_stopped")

@@ -31,10 +31,6 @@ class TokenizerSettings:
     library_threads: int = setting(0, "threads of the tokenizers library's pool (0 = the cores this process may "
                                       "run on); N replicas on one host should get a share each, as "
                                       "`tokenrelay up --tokenizers N` does (read once, at start)")
-    encode_processes: int = setting(0, "experimental: encode in N child processes of their own (each one core, "
-                                       "ids packed there), so the Python work per id runs on every core rather "
-                                       "than under this process's one lock; slower on 1-2 cores, not yet "
-                                       "measured on many (docs/benchmarks.md); 0 = in this process")
     overlap_ms: float = setting(20.0, "with library parallelism: a batch may start while another runs only "
                                       "once that one has run this long (it is then held up by a long input "
                                       "while the library's other threads idle)")
@@ -73,7 +69,7 @@ class TokenizerSettings:
 
     def _batches_use_every_core(self) -> bool:
         """One batch spreads over every core (the library's pool, or the encoder processes)."""
-        return self.library_parallelism or self.encode_processes > 0
+        return self.library_parallelism
 
 
 def load_settings(argv: list[str] | None = None) -> TokenizerSettings:

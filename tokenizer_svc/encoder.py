@@ -25,13 +25,11 @@ from opentelemetry.trace import SpanKind
 
 from services.errors import InvalidArgument, TokenrelayError, Unavailable
 from services.tracing import tracer
-from services.wire import ids_array
 from tokenizer_svc import metrics
 from tokenizer_svc.batcher import Batcher
 from tokenizer_svc.chat_cache import ChatPrefixCache, Plan
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.loader import LoadedTokenizer
-from tokenizer_svc.procpool import EncodeProcessPool
 
 _tracer = tracer("tokenrelay.tokenizer")
 
@@ -53,8 +51,7 @@ class ChatInput:
 
 EncodeInput = TextInput | ChatInput
 # Turns one call's ids into whatever the caller wants (the servicer: a protobuf response), in the
-# worker thread, so that per-id conversion work stays off the event loop. Each input's ids are a
-# list, or (from encoder processes) an array of ints.
+# post thread, so that per-id conversion work stays off the event loop. Each input's ids are a list.
 Finish = Callable[[list[Sequence[int]]], Any]
 
 
@@ -89,13 +86,11 @@ class Encoder:
     """The Tokenize use case; owns the batcher (start/close)."""
 
     def __init__(self, tokenizer: LoadedTokenizer, template: ChatTemplate | None, limits: EncoderLimits,
-                 *, workers: int, chat_cache_tokens: int = 20_000_000, overlap_after: float = 0.0,
-                 processes: EncodeProcessPool | None = None) -> None:
+                 *, workers: int, chat_cache_tokens: int = 20_000_000, overlap_after: float = 0.0) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.limits = limits
         self.pending_bytes = 0
-        self.processes = processes   # when set, texts are encoded there (procpool.py)
         self.chat_cache = ChatPrefixCache(tokenizer.tokenizer, chat_cache_tokens) if chat_cache_tokens > 0 else None
         self.batcher: Batcher[_Call, Any] = Batcher(
             self._encode_jobs, post=self._finish_jobs, workers=workers, max_batch=limits.max_batch,
@@ -194,9 +189,8 @@ class Encoder:
                 call_slots.append((special, len(texts[special])))
                 texts[special].append(text)
             slots.append(call_slots)
-        # encode_batch releases the GIL and spreads the inputs over the tokenizers' own thread pool;
-        # encoder processes answer with packed ids instead of Encodings.
-        encode = self.processes.encode if self.processes is not None else self.tokenizer.tokenizer.encode_batch_fast
+        # encode_batch releases the GIL and spreads the inputs over the tokenizers' own thread pool.
+        encode = self.tokenizer.tokenizer.encode_batch_fast
         encodings = {special: encode(batch, add_special_tokens=special) if batch else []
                      for special, batch in texts.items()}
         metrics.BATCH_INPUTS.observe(len(texts[True]) + len(texts[False]) + len(plans))
@@ -206,7 +200,7 @@ class Encoder:
     def _finish_jobs(self, calls: list[_Call], encoded: _Encoded) -> list[Any]:
         """Per call: its ids (or error), limits checked, `finish` applied (the protobuf response)."""
         ids_of: dict[bool | None, list[Sequence[int]]] = {
-            special: [ids_array(e) if isinstance(e, bytes) else e.ids for e in batch]
+            special: [e.ids for e in batch]
             for special, batch in encoded.encodings.items()}
         ids_of[None] = list(encoded.incremental)
         results: list[Any] = []

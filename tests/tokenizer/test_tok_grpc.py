@@ -98,11 +98,10 @@ async def test_packed_ids_equal_the_repeated_ids(tiny_dirs: dict[str, pathlib.Pa
         assert len(packed.results[0].packed_ids) == 4 * len(plain.results[0].ids) > 0
 
 
-@pytest.mark.parametrize("processes", [0, 2])
-async def test_encoder_processes_answer_like_the_library(tiny_dirs: dict[str, pathlib.Path], processes: int) -> None:
-    """--encode-processes: the same ids, packed or not, for texts and chats; limits still apply."""
-    async with running(tiny_dirs["tiny-sentencepiece"], encode_processes=processes,
-                       max_input_tokens=1000) as (app, stub):
+async def test_texts_and_chats_answer_like_the_library(tiny_dirs: dict[str, pathlib.Path]) -> None:
+    """The same ids as the library, packed or not, for texts (with and without special tokens)
+    and chats in one call; the token limit still applies."""
+    async with running(tiny_dirs["tiny-sentencepiece"], max_input_tokens=1000) as (app, stub):
         raw = app.encoder.tokenizer.tokenizer  # type: ignore[union-attr]
         chat = [("system", "Be brief."), ("user", "Hi 👋")]
         inputs = [text_input(TEXT), text_input(SAMPLES[3], special=False), text_input(""), chat_input(chat)]
