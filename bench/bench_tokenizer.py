@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
+from router_svc.tokenize_batch import MAX_CALLS  # noqa: E402
 from router_svc.upstreams import TokenizerUpstream  # noqa: E402
 from services.grpc_util import insecure_channel, wait_healthy  # noqa: E402
 from services.proto.tokenrelay.v1 import tokenizer_pb2 as pb  # noqa: E402
@@ -225,7 +226,7 @@ async def measure_point(tok: Tokenizer, raw_encoder: RawEncoder, services: list[
     raws, rates, ratios, latencies, raw_cpu, svc_cpu = [], [], [], [], [], []
     procs = [psutil.Process(service.proc.pid) for service in services]
 
-    def service_cpu() -> float:   # encoder processes (--encode-processes) included
+    def service_cpu() -> float:   # any child processes of the service included
         total = 0.0
         for proc in procs:
             for p in (proc, *proc.children(recursive=True)):
@@ -459,7 +460,8 @@ def main() -> None:
                         help="direct: a Tokenize call per request; coalesced: the router's batching client")
     parser.add_argument("--replicas", type=int, default=1, help="tokenizer_svc processes, the service cores "
                         "split between them (the router spreads requests over them)")
-    parser.add_argument("--max-calls", type=int, default=2, help="the coalescer's calls in flight (router default)")
+    parser.add_argument("--max-calls", type=int, default=MAX_CALLS,
+                        help="the coalescer's calls in flight (router default)")
     parser.add_argument("--detok-requests", type=int, default=128, help="0 skips the detokenize part")
     parser.add_argument("--detok-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="detokenize runs per mode (median is reported)")

@@ -44,7 +44,8 @@ async def serve(settings: RouterSettings) -> None:
     admission = Admission(AdmissionSettings(settings.redis_url, settings.pool, settings.lease_ttl,
                                             settings.lease_ttl / 3, settings.fail_open))
     tokenizer = TokenizerUpstream(settings.tokenizers, settings.upstream_timeout,
-                                  max_calls=settings.tokenize_calls_in_flight)
+                                  max_calls=settings.tokenize_calls_in_flight,
+                                  max_bytes=settings.tokenize_bytes_in_flight)
     engines = EnginePool(settings.engines, settings.engine_poll_interval)
     try:
         await _wait_tokenizer(tokenizer, settings.startup_timeout)

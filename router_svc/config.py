@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from services.config import setting
 
+from .tokenize_batch import MAX_BYTES, MAX_CALLS
+
 
 @dataclass
 class RouterSettings:
@@ -23,8 +25,12 @@ class RouterSettings:
     fail_open: bool = setting(False, "admit requests when Redis is unreachable (default: reject)")
     request_timeout: float = setting(600.0, "default request deadline when the client sets none")
     upstream_timeout: float = setting(10.0, "timeout of unary calls to the tokenizer")
-    tokenize_calls_in_flight: int = setting(2, "batched Tokenize calls in flight per tokenizer replica; requests "
-                                               "that arrive meanwhile wait and share the next call")
+    tokenize_calls_in_flight: int = setting(MAX_CALLS, "most batched Tokenize calls in flight per tokenizer "
+                                                       "replica (what waits is spread over 2, more only when "
+                                                       "that many full calls wait); requests that arrive "
+                                                       "meanwhile wait and share the next calls")
+    tokenize_bytes_in_flight: int = setting(MAX_BYTES, "most input bytes in Tokenize calls in flight per tokenizer "
+                                                       "replica (below the replica's --max-pending-bytes)")
     engine_poll_interval: float = setting(1.0, "seconds between engine load polls")
     engine_attempts: int = setting(2, "replicas to try when an engine fails before the first token")
     startup_timeout: float = setting(60.0, "seconds to wait for upstreams at start")

@@ -1,10 +1,18 @@
 """Many requests per Tokenize call: concurrent tokenizations to one replica share gRPC calls.
 
 A Python gRPC call costs ~0.6 ms of CPU on each side; a 2k-token prompt costs ~1 ms to encode. So
-at high concurrency the router sends whatever tokenizations are waiting as one batched Tokenize
-call (the API takes up to 64 inputs), with at most `max_calls` calls in flight per replica: while
-those run, new requests queue and go together in the next call. An idle router sends a lone
-request at once, so batching adds no latency when there is nothing to batch.
+at high concurrency the router sends whatever tokenizations are waiting as batched Tokenize calls
+(the API takes up to 64 inputs), with at most `max_calls` calls in flight per replica: while those
+run, new requests queue and go together in the next call. An idle router sends a lone request at
+once, so batching adds no latency when there is nothing to batch.
+
+How many calls: what is waiting is spread over `spread` (2) calls, so the replica always has one
+queued behind the one it encodes instead of idling while one big call's answers travel back; more
+calls (up to `max_calls`) only when more is waiting than `spread` full calls carry, so that the
+replica, which merges queued calls into one batch, encodes big batches at high concurrency (on
+many cores a big batch leaves the library's threads less idle at its end). At most `max_bytes` of
+input is in flight per replica (a lone input always goes), so long prompts from one router never
+fill the replica's byte budget and get OVERLOADED.
 
 Errors stay per request: the tokenizer fails a whole call when one input is invalid, so a
 batched call that fails with INVALID_ARGUMENT is retried input by input, and only the bad
@@ -24,24 +32,34 @@ from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tracing import inject
 from services.wire import unpack_ids
 
+MAX_CALLS = 4            # calls in flight per replica
+MAX_BYTES = 16 << 20     # input bytes in flight per replica (the replica's own budget is 32 MB)
+
 
 @dataclass(slots=True)
 class _Waiting:
     item: tokenizer_pb2.TokenizeInput
     future: asyncio.Future[list[int]]
     trace: dict[str, str]
+    size: int   # serialized bytes
 
 
 class TokenizeCoalescer:
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, timeout: float, *, max_batch: int = 64,
-                 max_calls: int = 2) -> None:
+                 max_calls: int = MAX_CALLS, spread: int = 2, max_bytes: int = MAX_BYTES) -> None:
+        if min(max_batch, max_calls, spread, max_bytes) < 1:
+            raise ValueError("max_batch, max_calls, spread and max_bytes must be >= 1")
         self._stub = stub
         self._timeout = timeout
         self._max_batch = max_batch
         self._max_calls = max_calls
+        self._spread = min(spread, max_calls)
+        self._max_bytes = max_bytes
         self._calls = asyncio.Semaphore(max_calls)
         self._waiting: list[_Waiting] = []
         self._wake = asyncio.Event()
+        self._call_ended = asyncio.Event()
+        self._bytes_in_flight = 0
         self._sender: asyncio.Task[None] | None = None
         self._in_flight: set[asyncio.Task[None]] = set()
         self.calls_sent = 0
@@ -52,7 +70,7 @@ class TokenizeCoalescer:
             self._sender = asyncio.create_task(self._send_forever(), name="tokenize-coalescer")
         future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         # A batched call carries its first request's trace context (one call, one parent).
-        self._waiting.append(_Waiting(item, future, inject()))
+        self._waiting.append(_Waiting(item, future, inject(), item.ByteSize()))
         self._wake.set()
         return await asyncio.wait_for(future, timeout)
 
@@ -66,20 +84,40 @@ class TokenizeCoalescer:
                 if not self._waiting:
                     self._calls.release()
                     break
-                # Spread what is waiting over the free call slots (this one included): the
-                # replica then always has a call queued behind the one it is encoding, instead
-                # of idling while one big call's answers travel back and its callers resubmit.
-                free = self._max_calls - len(self._in_flight)
-                size = min(self._max_batch, -(-len(self._waiting) // max(1, free)))
-                batch = self._waiting[:size]
-                del self._waiting[:size]
+                batch = self._next_batch()
+                if not batch:   # the byte budget is spent: wait for a call to come back
+                    self._calls.release()
+                    self._call_ended.clear()
+                    await self._call_ended.wait()
+                    continue
+                nbytes = sum(w.size for w in batch)
+                self._bytes_in_flight += nbytes
                 task = asyncio.create_task(self._call(batch))
                 self._in_flight.add(task)  # the loop keeps only weak references to tasks
-                task.add_done_callback(self._call_done)
+                task.add_done_callback(lambda t, n=nbytes: self._call_done(t, n))  # type: ignore[misc]
 
-    def _call_done(self, task: asyncio.Task[None]) -> None:
+    def _next_batch(self) -> list[_Waiting]:
+        """The next call's requests (taken off the waiting list): a share of what is waiting
+        (module doc), within the byte budget; empty when the budget is spent."""
+        waiting = len(self._waiting)
+        free = self._max_calls - len(self._in_flight)   # this call's slot included
+        calls = max(min(-(-waiting // self._max_batch), free), self._spread - len(self._in_flight), 1)
+        size = min(self._max_batch, -(-waiting // calls))
+        taken, nbytes = 0, self._bytes_in_flight
+        for w in self._waiting[:size]:
+            if nbytes + w.size > self._max_bytes and (taken or self._in_flight):
+                break
+            taken += 1
+            nbytes += w.size
+        batch = self._waiting[:taken]
+        del self._waiting[:taken]
+        return batch
+
+    def _call_done(self, task: asyncio.Task[None], nbytes: int) -> None:
         self._in_flight.discard(task)
+        self._bytes_in_flight -= nbytes
         self._calls.release()
+        self._call_ended.set()
 
     async def _call(self, batch: list[_Waiting]) -> None:
         self.calls_sent += 1

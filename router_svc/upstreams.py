@@ -30,7 +30,7 @@ from services.proto.tokenrelay.v1 import (
 )
 from services.wire import FINISH_NAMES
 
-from .tokenize_batch import TokenizeCoalescer
+from .tokenize_batch import MAX_BYTES, MAX_CALLS, TokenizeCoalescer
 from .types import DetokOut, EngineChunk, Sampling, TokenizerMeta
 
 log = get_logger(__name__)
@@ -90,7 +90,8 @@ class DetokSession:
 
 
 class TokenizerUpstream:
-    def __init__(self, addresses: list[str], timeout: float, *, max_calls: int = 2) -> None:
+    def __init__(self, addresses: list[str], timeout: float, *, max_calls: int = MAX_CALLS,
+                 max_bytes: int = MAX_BYTES) -> None:
         if not addresses:
             raise ValueError("at least one tokenizer address is required")
         self._timeout = timeout
@@ -100,7 +101,8 @@ class TokenizerUpstream:
         self._muxes: list[MuxClient[DetokOut]] = [
             MuxClient(f"detok-{a}", stub.Detokenize, _detok_build, _detok_split)
             for a, stub in zip(addresses, self._stubs, strict=True)]
-        self._batchers = [TokenizeCoalescer(stub, timeout, max_calls=max_calls) for stub in self._stubs]
+        self._batchers = [TokenizeCoalescer(stub, timeout, max_calls=max_calls, max_bytes=max_bytes)
+                          for stub in self._stubs]
         self.meta: TokenizerMeta | None = None
 
     async def info(self) -> TokenizerMeta:

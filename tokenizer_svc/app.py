@@ -40,7 +40,8 @@ def encoder_limits(settings: TokenizerSettings, loaded: LoadedTokenizer) -> Enco
     max_tokens = settings.max_input_tokens
     if max_tokens == 0:
         max_tokens = loaded.max_context
-    return EncoderLimits(max_batch=settings.max_batch, max_pending=settings.max_pending,
+    return EncoderLimits(max_batch=settings.max_batch, batch_inputs=settings.batch_inputs,
+                         max_pending=settings.max_pending,
                          max_input_bytes=settings.max_input_bytes, max_input_tokens=max(0, max_tokens),
                          max_pending_bytes=settings.max_pending_bytes)
 

@@ -34,7 +34,9 @@ class TokenizerSettings:
     overlap_ms: float = setting(20.0, "with library parallelism: a batch may start while another runs only "
                                       "once that one has run this long (it is then held up by a long input "
                                       "while the library's other threads idle)")
-    max_batch: int = setting(64, "most inputs in one Tokenize call, and the batch size aimed for")
+    max_batch: int = setting(64, "most inputs in one Tokenize call")
+    batch_inputs: int = setting(256, "most inputs encoded together (queued calls are merged up to this): on many "
+                                     "cores a big batch leaves the library's threads less idle at its end")
     max_pending: int = setting(4096, "inputs queued or running before Tokenize answers UNAVAILABLE/OVERLOADED")
     max_pending_bytes: int = setting(32 << 20, "text (UTF-8 bytes) queued or being encoded before Tokenize "
                                                "answers UNAVAILABLE/OVERLOADED at once; 0 = no byte limit")

@@ -73,7 +73,8 @@ class _Encoded:
 
 @dataclass(frozen=True)
 class EncoderLimits:
-    max_batch: int = 64             # inputs per call, and the batch size the batcher aims for
+    max_batch: int = 64             # inputs per call
+    batch_inputs: int = 256         # inputs encoded together (queued calls merged up to this)
     max_pending: int = 4096         # inputs queued or running before calls are rejected
     max_input_bytes: int = 4 << 20  # per input, UTF-8
     # Text queued or being encoded before calls are rejected OVERLOADED (0 = no byte limit). The
@@ -93,8 +94,10 @@ class Encoder:
         self.pending_bytes = 0
         self.chat_cache = ChatPrefixCache(tokenizer.tokenizer, chat_cache_tokens) if chat_cache_tokens > 0 else None
         self.batcher: Batcher[_Call, Any] = Batcher(
-            self._encode_jobs, post=self._finish_jobs, workers=workers, max_batch=limits.max_batch,
-            max_pending=max(limits.max_pending, limits.max_batch), name="tokenize", overlap_after=overlap_after)
+            self._encode_jobs, post=self._finish_jobs, workers=workers,
+            max_batch=max(limits.batch_inputs, limits.max_batch),
+            max_pending=max(limits.max_pending, limits.max_batch), name="tokenize",
+            overlap_after=overlap_after)
         metrics.LOAD.add_encoder(self.batcher)
 
     async def start(self) -> None:

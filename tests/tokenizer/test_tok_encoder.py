@@ -9,6 +9,7 @@ import pytest
 from tok_artefacts import SAMPLES
 
 from services.errors import InvalidArgument, Unavailable
+from tests.waiting import poll
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.encoder import ChatInput, Encoder, EncoderLimits, TextInput
 from tokenizer_svc.loader import LoadedTokenizer
@@ -68,4 +69,38 @@ async def test_queued_text_beyond_the_byte_budget_is_refused_at_once(tiny_bl):
         assert results[1].retry_after is not None
         assert encoder.pending_bytes == 0  # released when calls finish or fail
     finally:
+        await encoder.close()
+
+
+async def test_queued_calls_are_merged_up_to_batch_inputs(tiny_sp: LoadedTokenizer) -> None:
+    """Calls carry at most max_batch inputs each, but calls queued behind a running batch are
+    encoded together, up to batch_inputs inputs (big batches keep many cores busy)."""
+    encoder = Encoder(tiny_sp, None, EncoderLimits(max_batch=2, batch_inputs=6), workers=1)
+    sizes: list[int] = []
+    entered, gate = threading.Event(), threading.Event()
+    inner = encoder._encode_calls
+
+    def recording(calls):  # type: ignore[no-untyped-def]
+        entered.set()
+        assert gate.wait(10)
+        sizes.append(sum(len(c.inputs) for c in calls))
+        return inner(calls)
+
+    encoder._encode_calls = recording  # type: ignore[method-assign]
+    await encoder.start()
+    try:
+        with pytest.raises(InvalidArgument) as info:
+            await encoder.tokenize([TextInput("a"), TextInput("b"), TextInput("c")])
+        assert info.value.reason == "BATCH_TOO_LARGE"
+        first = asyncio.create_task(encoder.tokenize([TextInput("first")]))
+        assert await asyncio.to_thread(entered.wait, 10)
+        texts = [[f"call {i} a", f"call {i} b"] for i in range(5)]
+        calls = [asyncio.create_task(encoder.tokenize([TextInput(t) for t in pair])) for pair in texts]
+        await poll(lambda: encoder.batcher.pending == 11, what="five calls queued behind the first")
+        gate.set()
+        results = await asyncio.gather(first, *calls)
+        assert results[1:] == [[tiny_sp.tokenizer.encode(t).ids for t in pair] for pair in texts]
+        assert sizes == [1, 6, 4]
+    finally:
+        gate.set()
         await encoder.close()
