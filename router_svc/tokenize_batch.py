@@ -55,13 +55,13 @@ class TokenizeCoalescer:
         self._max_calls = max_calls
         self._spread = min(spread, max_calls)
         self._max_bytes = max_bytes
-        self._calls = asyncio.Semaphore(max_calls)
         self._waiting: list[_Waiting] = []
         self._wake = asyncio.Event()
         self._call_ended = asyncio.Event()
-        self._bytes_in_flight = 0
         self._sender: asyncio.Task[None] | None = None
-        self._in_flight: set[asyncio.Task[None]] = set()
+        # Calls in flight and their input bytes (this also keeps the tasks referenced: the loop
+        # holds only weak references to tasks).
+        self._in_flight: dict[asyncio.Task[None], int] = {}
         self.calls_sent = 0
         self.inputs_sent = 0
 
@@ -74,49 +74,50 @@ class TokenizeCoalescer:
         self._wake.set()
         return await asyncio.wait_for(future, timeout)
 
+    @property
+    def _bytes_in_flight(self) -> int:
+        return sum(self._in_flight.values())
+
     async def _send_forever(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._waiting:
-                await self._calls.acquire()
+            while True:
                 self._waiting = [w for w in self._waiting if not w.future.done()]
                 if not self._waiting:
-                    self._calls.release()
                     break
-                batch = self._next_batch()
-                if not batch:   # the byte budget is spent: wait for a call to come back
-                    self._calls.release()
+                batch, nbytes = self._next_batch()
+                if not batch:   # every call slot, or the byte budget, is taken: wait for a call to end
                     self._call_ended.clear()
                     await self._call_ended.wait()
                     continue
-                nbytes = sum(w.size for w in batch)
-                self._bytes_in_flight += nbytes
                 task = asyncio.create_task(self._call(batch))
-                self._in_flight.add(task)  # the loop keeps only weak references to tasks
-                task.add_done_callback(lambda t, n=nbytes: self._call_done(t, n))  # type: ignore[misc]
+                self._in_flight[task] = nbytes
+                task.add_done_callback(self._call_done)
 
-    def _next_batch(self) -> list[_Waiting]:
-        """The next call's requests (taken off the waiting list): a share of what is waiting
-        (module doc), within the byte budget; empty when the budget is spent."""
+    def _next_batch(self) -> tuple[list[_Waiting], int]:
+        """The next call's requests (taken off the waiting list) and their bytes: a share of what
+        is waiting (module doc) within the byte budget; none while every call slot is taken or
+        the budget is spent."""
+        in_flight = len(self._in_flight)
+        if in_flight >= self._max_calls:
+            return [], 0
         waiting = len(self._waiting)
-        free = self._max_calls - len(self._in_flight)   # this call's slot included
-        calls = max(min(-(-waiting // self._max_batch), free), self._spread - len(self._in_flight), 1)
+        calls = max(min(-(-waiting // self._max_batch), self._max_calls - in_flight), self._spread - in_flight, 1)
         size = min(self._max_batch, -(-waiting // calls))
-        taken, nbytes = 0, self._bytes_in_flight
+        budget = self._max_bytes - self._bytes_in_flight
+        taken = nbytes = 0
         for w in self._waiting[:size]:
-            if nbytes + w.size > self._max_bytes and (taken or self._in_flight):
+            if nbytes + w.size > budget and (taken or in_flight):
                 break
             taken += 1
             nbytes += w.size
         batch = self._waiting[:taken]
         del self._waiting[:taken]
-        return batch
+        return batch, nbytes
 
-    def _call_done(self, task: asyncio.Task[None], nbytes: int) -> None:
-        self._in_flight.discard(task)
-        self._bytes_in_flight -= nbytes
-        self._calls.release()
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        del self._in_flight[task]
         self._call_ended.set()
 
     async def _call(self, batch: list[_Waiting]) -> None:

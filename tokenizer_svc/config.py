@@ -63,15 +63,11 @@ class TokenizerSettings:
     def effective_workers(self) -> int:
         if self.workers > 0:
             return self.workers
-        return 2 if self._batches_use_every_core() else len(os.sched_getaffinity(0))
+        return 2 if self.library_parallelism else len(os.sched_getaffinity(0))
 
     def overlap_after(self) -> float:
         """Seconds before a second batch may join a running one (0 = whenever a worker is free)."""
-        return self.overlap_ms / 1000 if self._batches_use_every_core() else 0.0
-
-    def _batches_use_every_core(self) -> bool:
-        """One batch spreads over every core (the library's pool, or the encoder processes)."""
-        return self.library_parallelism
+        return self.overlap_ms / 1000 if self.library_parallelism else 0.0
 
 
 def load_settings(argv: list[str] | None = None) -> TokenizerSettings:

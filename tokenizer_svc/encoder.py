@@ -51,8 +51,8 @@ class ChatInput:
 
 EncodeInput = TextInput | ChatInput
 # Turns one call's ids into whatever the caller wants (the servicer: a protobuf response), in the
-# post thread, so that per-id conversion work stays off the event loop. Each input's ids are a list.
-Finish = Callable[[list[Sequence[int]]], Any]
+# post thread, so that per-id conversion work stays off the event loop.
+Finish = Callable[[list[list[int]]], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +202,9 @@ class Encoder:
     # ------------------------------------------------------------------ post thread
     def _finish_jobs(self, calls: list[_Call], encoded: _Encoded) -> list[Any]:
         """Per call: its ids (or error), limits checked, `finish` applied (the protobuf response)."""
-        ids_of: dict[bool | None, list[Sequence[int]]] = {
-            special: [e.ids for e in batch]
-            for special, batch in encoded.encodings.items()}
-        ids_of[None] = list(encoded.incremental)
+        ids_of: dict[bool | None, list[list[int]]] = {
+            special: [e.ids for e in batch] for special, batch in encoded.encodings.items()}
+        ids_of[None] = encoded.incremental
         results: list[Any] = []
         for call, slot in zip(calls, encoded.slots, strict=True):
             if isinstance(slot, BaseException):
@@ -215,7 +214,7 @@ class Encoder:
             error = self._check(ids)
             if error is None:
                 _count(call.inputs, ids)
-            results.append(error or (call.finish(ids) if call.finish else [list(seq) for seq in ids]))
+            results.append(error or (call.finish(ids) if call.finish else ids))
         return results
 
     def _encode_incremental(self, plans: list[Plan]) -> list[list[int]]:
@@ -244,7 +243,7 @@ class Encoder:
             return self.template.render(item.messages, item.add_generation_prompt), False
         return item.text, item.add_special_tokens
 
-    def _check(self, ids: list[Sequence[int]]) -> InvalidArgument | None:
+    def _check(self, ids: list[list[int]]) -> InvalidArgument | None:
         limit = self.limits.max_input_tokens
         for index, seq in enumerate(ids):
             if limit and len(seq) > limit:
@@ -253,7 +252,7 @@ class Encoder:
         return None
 
 
-def _count(inputs: list[EncodeInput], ids: list[Sequence[int]]) -> None:
+def _count(inputs: list[EncodeInput], ids: list[list[int]]) -> None:
     chats = sum(1 for item in inputs if isinstance(item, ChatInput))
     if chats:
         metrics.CHAT_INPUTS.inc(chats)
