@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
 
 from services.errors import InvalidArgument, Unavailable
+from tests.waiting import poll
 from tokenizer_svc.batcher import Batcher
 
 
@@ -27,106 +29,83 @@ class Gate:
         return [InvalidArgument("bad", "BAD_ITEM") if "bad" in job else [s.upper() for s in job] for job in jobs]
 
 
-async def wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
+@contextlib.asynccontextmanager
+async def held_batcher(**options):  # type: ignore[no-untyped-def]
+    """A started batcher over a closed Gate, so jobs pile up; opened and closed however the test ends."""
+    gate = Gate()
+    gate.open.clear()
+    batcher: Batcher[list[str], list[str]] = Batcher(gate, **{"max_pending": 100, **options})
+    await batcher.start()
+    try:
+        yield gate, batcher
+    finally:
+        gate.open.set()
+        await batcher.close()
 
 
 async def test_jobs_arriving_while_busy_are_batched_together() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=100, max_pending=1000)
-    await batcher.start()
-    try:
-        gate.open.clear()
+    async with held_batcher(workers=1, max_batch=100, max_pending=1000) as (gate, batcher):
         first = asyncio.create_task(batcher.submit(["a"], 1))
-        await wait_until(gate.entered.is_set)
+        await poll(gate.entered.is_set)
         rest = [asyncio.create_task(batcher.submit([f"x{i}", f"y{i}"], 2)) for i in range(10)]
-        await wait_until(lambda: batcher.pending == 21)
+        await poll(lambda: batcher.pending == 21)
         gate.open.set()
         assert await first == ["A"]
         assert await asyncio.gather(*rest) == [[f"X{i}", f"Y{i}"] for i in range(10)]
         # The ten jobs queued behind the first ran as one batch.
         assert [len(b) for b in gate.batches] == [1, 10]
         assert batcher.pending == 0
-    finally:
-        await batcher.close()
 
 
 async def test_max_batch_splits_batches() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=4, max_pending=1000)
-    await batcher.start()
-    try:
-        gate.open.clear()
+    async with held_batcher(workers=1, max_batch=4, max_pending=1000) as (gate, batcher):
         first = asyncio.create_task(batcher.submit(["a"], 1))
-        await wait_until(gate.entered.is_set)
+        await poll(gate.entered.is_set)
         rest = [asyncio.create_task(batcher.submit([str(i)], 1)) for i in range(10)]
-        await wait_until(lambda: batcher.pending == 11)
+        await poll(lambda: batcher.pending == 11)
         gate.open.set()
         await asyncio.gather(first, *rest)
         assert [len(b) for b in gate.batches] == [1, 4, 4, 2]
-    finally:
-        await batcher.close()
 
 
 async def test_overload_is_rejected_not_queued() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=8, max_pending=3)
-    await batcher.start()
-    try:
-        gate.open.clear()
+    async with held_batcher(workers=1, max_batch=8, max_pending=3) as (gate, batcher):
         held = asyncio.create_task(batcher.submit(["a", "b"], 2))
-        await wait_until(gate.entered.is_set)
+        await poll(gate.entered.is_set)
         with pytest.raises(Unavailable) as info:
             await batcher.submit(["c", "d"], 2)
         assert info.value.reason == "OVERLOADED"
         ok = asyncio.create_task(batcher.submit(["c"], 1))   # exactly at the limit is fine
-        await wait_until(lambda: batcher.pending == 3)
+        await poll(lambda: batcher.pending == 3)
         gate.open.set()
         assert await held == ["A", "B"] and await ok == ["C"]
-    finally:
-        await batcher.close()
 
 
 async def test_one_bad_job_does_not_fail_its_batch_mates() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=8, max_pending=100)
-    await batcher.start()
-    try:
-        gate.open.clear()
+    async with held_batcher(workers=1, max_batch=8) as (gate, batcher):
         first = asyncio.create_task(batcher.submit(["a"], 1))
-        await wait_until(gate.entered.is_set)
+        await poll(gate.entered.is_set)
         good = asyncio.create_task(batcher.submit(["ok"], 1))
         bad = asyncio.create_task(batcher.submit(["bad"], 1))
-        await wait_until(lambda: batcher.pending == 3)
+        await poll(lambda: batcher.pending == 3)
         gate.open.set()
         assert await first == ["A"] and await good == ["OK"]
         with pytest.raises(InvalidArgument):
             await bad
-    finally:
-        await batcher.close()
 
 
 async def test_cancelled_jobs_are_skipped_and_released() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=1, max_batch=8, max_pending=100)
-    await batcher.start()
-    try:
-        gate.open.clear()
+    async with held_batcher(workers=1, max_batch=8) as (gate, batcher):
         first = asyncio.create_task(batcher.submit(["a"], 1))
-        await wait_until(gate.entered.is_set)
+        await poll(gate.entered.is_set)
         gone = asyncio.create_task(batcher.submit(["gone"], 1))
-        await wait_until(lambda: batcher.pending == 2)
+        await poll(lambda: batcher.pending == 2)
         gone.cancel()
         kept = asyncio.create_task(batcher.submit(["kept"], 1))
         gate.open.set()
         assert await first == ["A"] and await kept == ["KEPT"]
         assert all(["gone"] not in batch for batch in gate.batches)
-        await wait_until(lambda: batcher.pending == 0)
-    finally:
-        await batcher.close()
+        await poll(lambda: batcher.pending == 0)
 
 
 async def test_unexpected_failure_reaches_every_caller_and_close_rejects() -> None:
@@ -159,35 +138,30 @@ async def test_post_stage_frees_the_worker_for_the_next_batch() -> None:
     await batcher.start()
     try:
         first = asyncio.create_task(batcher.submit("a"))
-        await wait_until(lambda: ("post", ["a"]) in log)        # a's results are held in post
+        await poll(lambda: ("post", ["a"]) in log)        # a's results are held in post
         second = asyncio.create_task(batcher.submit("b"))
         bad = asyncio.create_task(batcher.submit("bad"))
         # The one worker took the next batches while the first one's post stage is still held.
-        await wait_until(lambda: sum(len(jobs) for kind, jobs in log if kind == "process") == 3)
+        await poll(lambda: sum(len(jobs) for kind, jobs in log if kind == "process") == 3)
         assert batcher.pending == 3
         post_open.set()
         assert await first == "A!" and await second == "B!"
         with pytest.raises(InvalidArgument):
             await bad
-        await wait_until(lambda: batcher.pending == 0)
+        await poll(lambda: batcher.pending == 0)
     finally:
         post_open.set()
         await batcher.close()
 
 
 async def test_overlap_after_holds_a_second_batch_until_the_first_has_run_that_long() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=2, max_batch=100, max_pending=100,
-                                                     overlap_after=0.3)
-    await batcher.start()
     loop = asyncio.get_running_loop()
-    try:
-        gate.open.clear()
+    async with held_batcher(workers=2, max_batch=100, overlap_after=0.3) as (gate, batcher):
         first = asyncio.create_task(batcher.submit(["a"], 1))
-        await wait_until(gate.entered.is_set)
+        await poll(gate.entered.is_set)
         started = loop.time()
         rest = [asyncio.create_task(batcher.submit([f"x{i}"], 1)) for i in range(3)]
-        await wait_until(lambda: len(gate.batches) == 2)
+        await poll(lambda: len(gate.batches) == 2)
         # Held back while the first batch had run less than 0.3 s, then started beside it (the
         # first is still held: it stands for a batch stuck on one long input), taking all that
         # was queued rather than a share per idle worker.
@@ -195,57 +169,37 @@ async def test_overlap_after_holds_a_second_batch_until_the_first_has_run_that_l
         assert [len(b) for b in gate.batches] == [1, 3]
         gate.open.set()
         assert await first == ["A"] and await asyncio.gather(*rest) == [[f"X{i}"] for i in range(3)]
-    finally:
-        gate.open.set()
-        await batcher.close()
 
 
 async def test_without_overlap_after_queued_work_is_split_over_idle_workers() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=3, max_batch=100, max_pending=100)
-    await batcher.start()
-    try:
-        gate.open.clear()
+    async with held_batcher(workers=3, max_batch=100) as (gate, batcher):
         jobs = [asyncio.create_task(batcher.submit([f"x{i}"], 1)) for i in range(6)]
-        await wait_until(lambda: len(gate.batches) == 3)
+        await poll(lambda: len(gate.batches) == 3)
         assert sorted(len(b) for b in gate.batches) == [2, 2, 2]
         gate.open.set()
         await asyncio.gather(*jobs)
-    finally:
-        gate.open.set()
-        await batcher.close()
 
 
 async def test_close_while_a_batch_waits_to_overlap_fails_it_cleanly() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, workers=2, max_batch=8, max_pending=100,
-                                                     overlap_after=30)
-    await batcher.start()
-    gate.open.clear()
-    first = asyncio.create_task(batcher.submit(["a"], 1))
-    try:
-        await wait_until(gate.entered.is_set)
+    async with held_batcher(workers=2, max_batch=8, overlap_after=30) as (gate, batcher):
+        first = asyncio.create_task(batcher.submit(["a"], 1))
+        await poll(gate.entered.is_set)
         waiting = asyncio.create_task(batcher.submit(["b"], 1))
-        await asyncio.sleep(0.05)     # taken off the queue by the dispatcher, held by the stagger
+        # submitted, then taken off the queue by the dispatcher and held by the stagger
+        await poll(lambda: batcher.pending == 2 and batcher._queue.empty())
         await batcher.close()
         with pytest.raises(Unavailable) as info:
-            await waiting
+            await asyncio.wait_for(waiting, 5)
         assert info.value.reason == "SHUTTING_DOWN"
-    finally:
-        gate.open.set()
         first.cancel()
 
 
 async def test_close_while_a_batch_encodes_before_its_post_stage_fails_it_cleanly() -> None:
-    gate = Gate()
-    batcher: Batcher[list[str], list[str]] = Batcher(gate, post=lambda jobs, staged: staged, workers=1,
-                                                     max_batch=8, max_pending=100)
-    await batcher.start()
-    gate.open.clear()
-    held = asyncio.create_task(batcher.submit(["a"], 1))
-    await wait_until(gate.entered.is_set)
-    await batcher.close()
-    gate.open.set()       # the batch function returns after close: there is no post stage any more
-    with pytest.raises(Unavailable) as info:
-        await asyncio.wait_for(held, 5)
-    assert info.value.reason == "SHUTTING_DOWN"
+    async with held_batcher(post=lambda jobs, staged: staged, workers=1, max_batch=8) as (gate, batcher):
+        held = asyncio.create_task(batcher.submit(["a"], 1))
+        await poll(gate.entered.is_set)
+        await batcher.close()
+        gate.open.set()       # the batch function returns after close: there is no post stage any more
+        with pytest.raises(Unavailable) as info:
+            await asyncio.wait_for(held, 5)
+        assert info.value.reason == "SHUTTING_DOWN"
