@@ -6,6 +6,7 @@ message), so the bench's calibration, API-key mapping and chat prefixes can be c
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -13,11 +14,19 @@ from typing import Any
 
 import grpc
 
+from services.bench.cli import add_bench_parser
 from services.bench.targets import Observer, Target, TargetSession, TurnResult
 from services.bench.workload import SessionPlan, TurnPlan, Workload, parse_workload
 from services.errors import TokenrelayError, Unauthenticated
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.waiting import poll  # noqa: F401 - re-exported for the bench tests
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    """`tokenrelay bench ARGV` parsed as the CLI parses it."""
+    parser = argparse.ArgumentParser(prog="tokenrelay")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
 
 
 def workload(**spec: Any) -> Workload:

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from services.bench.cli import add_bench_parser, run_bench
+from services.bench.cli import run_bench
+from tests.bench.benchkit import bench_args
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tokenrelay")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", *argv])
 
 
 def test_module_entry_point_prints_help() -> None:
@@ -29,7 +23,7 @@ def test_module_entry_point_prints_help() -> None:
 
 
 async def test_list_workloads_names_the_shipped_ones(capsys: pytest.CaptureFixture[str]) -> None:
-    assert await run_bench(_args("--list-workloads")) == 0
+    assert await run_bench(bench_args("--list-workloads")) == 0
     listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
     assert {"chat-multiturn", "long-context", "mixed-tenants", "burst"} <= listed
 
@@ -46,7 +40,7 @@ async def test_usage_errors_exit_2_with_one_line(argv: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     if "--state-file" not in argv:  # never read the developer's real mesh state
         argv = [*argv, "--state-file", "/nonexistent/state.json"]
-    assert await run_bench(_args(*argv)) == 2
+    assert await run_bench(bench_args(*argv)) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
@@ -57,7 +51,7 @@ async def test_an_unreachable_engine_fails_the_run_without_a_traceback(capsys: p
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = _args("--target", "engine", "--engine-address", f"127.0.0.1:{port}", "--vocab-size", "100",
+    args = bench_args("--target", "engine", "--engine-address", f"127.0.0.1:{port}", "--vocab-size", "100",
                  "--requests", "2", "--no-progress")
     assert await run_bench(args) == 1
     assert "could not start" in capsys.readouterr().err

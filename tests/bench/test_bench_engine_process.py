@@ -3,15 +3,13 @@ the command line parsed as the CLI parses it, and the JSON report it writes."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
 import pytest
 
-from services.bench.cli import add_bench_parser, run_bench
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from services.bench.cli import run_bench
+from tests.bench.benchkit import bench_args
 
 WORKLOAD = """
 name: tiny
@@ -33,17 +31,11 @@ classes:
 """
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tokenrelay")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", *argv])
-
-
 async def test_engine_bench_reports_every_request_with_exact_token_counts(engine, tmp_path: pathlib.Path) -> None:
     address = await engine()
     (tmp_path / "tiny.yaml").write_text(WORKLOAD)
     out, per_request = tmp_path / "report.json", tmp_path / "requests.jsonl"
-    args = _args("--workload", str(tmp_path / "tiny.yaml"), "--target", "engine", "--engine-address", address,
+    args = bench_args("--workload", str(tmp_path / "tiny.yaml"), "--target", "engine", "--engine-address", address,
                  "--vocab-size", "512", "--requests", "24", "--seed", "7", "--slo-ttft", "5", "--slo-itl", "1",
                  "--json", str(out), "--save-requests", str(per_request), "--no-progress")
     assert await run_bench(args) == 0
@@ -77,7 +69,7 @@ async def test_an_overloaded_engine_shows_up_as_errors_by_status_and_reason(engi
     # Room for one request and no queue: concurrent sessions are rejected with ENGINE_OVERLOADED.
     address = await engine("--sim-max-batch-size", "1", "--max-queued", "0", "--sim-decode-step-time", "0.01")
     out = tmp_path / "report.json"
-    args = _args("--workload", "burst", "--target", "engine", "--engine-address", address, "--vocab-size", "512",
+    args = bench_args("--workload", "burst", "--target", "engine", "--engine-address", address, "--vocab-size", "512",
                  "--concurrency", "4", "--requests", "16", "--length-scale", "0.1", "--json", str(out),
                  "--no-progress")
     assert await run_bench(args) == 0
@@ -90,7 +82,7 @@ async def test_an_overloaded_engine_shows_up_as_errors_by_status_and_reason(engi
 async def test_plots_are_written_when_matplotlib_is_installed(engine, tmp_path: pathlib.Path) -> None:
     pytest.importorskip("matplotlib")
     address = await engine()
-    args = _args("--workload", "chat-multiturn", "--target", "engine", "--engine-address", address,
+    args = bench_args("--workload", "chat-multiturn", "--target", "engine", "--engine-address", address,
                  "--vocab-size", "512", "--requests", "8", "--concurrency", "4", "--length-scale", "0.3",
                  "--plot", str(tmp_path / "charts"), "--no-progress")
     assert await run_bench(args) == 0
@@ -105,7 +97,7 @@ async def test_compare_runs_the_engine_on_the_token_counts_the_mesh_produced(eng
     mesh_address, _ = fake_mesh  # a fake router: 1 token per 3 chars, +4 per chat message
     (tmp_path / "tiny.yaml").write_text(WORKLOAD)
     out, per_request = tmp_path / "report.json", tmp_path / "requests.jsonl"
-    args = _args("--workload", str(tmp_path / "tiny.yaml"), "--compare", "--address", mesh_address,
+    args = bench_args("--workload", str(tmp_path / "tiny.yaml"), "--compare", "--address", mesh_address,
                  "--api-key", "key-a", "--engine-address", engine_address, "--vocab-size", "512",
                  "--requests", "12", "--seed", "3", "--chars-per-token", "3", "--json", str(out),
                  "--save-requests", str(per_request), "--no-progress")

@@ -3,20 +3,14 @@ router, tokenizer, engine and Redis as real processes on ephemeral ports."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import pathlib
 
-from services.bench.cli import add_bench_parser, run_bench
+from services.bench.cli import run_bench
 from services.cli.launcher import Mesh, MeshOptions
+from tests.bench.benchkit import bench_args
 from tests.data import shared_path
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tokenrelay")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", *argv])
 
 
 async def test_compare_against_a_real_mesh(tmp_path: pathlib.Path) -> None:
@@ -28,7 +22,7 @@ async def test_compare_against_a_real_mesh(tmp_path: pathlib.Path) -> None:
     try:
         await mesh.start()
         out = tmp_path / "report.json"
-        args = _args("--workload", "chat-multiturn", "--compare", "--state-file", str(state), "--requests", "16",
+        args = bench_args("--workload", "chat-multiturn", "--compare", "--state-file", str(state), "--requests", "16",
                      "--concurrency", "4", "--length-scale", "0.3", "--slo-ttft", "2", "--json", str(out),
                      "--no-progress")
         assert await run_bench(args) == 0

@@ -4,20 +4,11 @@ launcher takes every child down with it."""
 from __future__ import annotations
 
 import signal
-import time
 
 import psutil
 import pytest
 
 from tests.meshkit import start_mesh
-
-
-def _wait_gone(procs: list[psutil.Process], timeout: float = 30) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    alive = procs
-    while alive and time.monotonic() < deadline:
-        _, alive = psutil.wait_procs(alive, timeout=0.2)
-    return alive
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -31,4 +22,5 @@ def test_no_orphans_after_the_launcher_stops(tmp_path, model_dir, sig):
     code = mesh.proc.wait(60)
     if sig == signal.SIGTERM:
         assert code == 0, mesh.log.read_text()[-2000:]
-    assert _wait_gone(children) == []
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert alive == []

@@ -14,6 +14,7 @@ from services.errors import InvalidArgument, ResourceExhausted, Unauthenticated
 from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
 from tests.meshkit import scrape
+from tests.waiting import poll
 
 PROMPT = "Once upon a time, there was a little"
 
@@ -193,8 +194,16 @@ async def test_chat_two_turns_sticky(hf_mesh, model_dir):
 
 
 async def test_api_keys_never_reach_the_logs(hf_mesh):
-    """Runs last in this module: every request above (good and bad keys) has been logged by now."""
+    """A request with a good key and one with a bad key (besides every request above, when the
+    module runs whole): neither key is in any log."""
+    async with Client(hf_mesh.address, "wrong-key") as bad:
+        with pytest.raises(Unauthenticated):
+            await bad.generate(PROMPT, max_tokens=1)
+    async with Client(hf_mesh.address, hf_mesh.api_key) as client:
+        done = await client.generate(PROMPT, max_tokens=1)
     logs = pathlib.Path(hf_mesh.state["run_dir"]) / "logs"
+    router_log = logs / "router.log"
+    await poll(lambda: done.request_id in router_log.read_text(errors="replace"), what="the request in router.log")
     texts = {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")}
     assert {"router.log", "tokenizer.log", "engine.log"} <= set(texts)
     assert "request_done" in texts["router.log"]  # the router does log requests...

@@ -88,19 +88,9 @@ async def test_batched_tokenize_matches_the_tokenizer(tiny_dirs: dict[str, pathl
         assert ids[3][0] == 1 and ids[3].count(1) == 2    # BOS written by the template, per turn
 
 
-async def test_packed_ids_equal_the_repeated_ids(tiny_dirs: dict[str, pathlib.Path]) -> None:
-    async with running(tiny_dirs["tiny-sentencepiece"]) as (_, stub):
-        inputs = [text_input(TEXT), text_input(""), text_input(SAMPLES[3], special=False)]
-        plain = await stub.Tokenize(pb.TokenizeRequest(inputs=inputs))
-        packed = await stub.Tokenize(pb.TokenizeRequest(inputs=inputs, packed_ids=True))
-        assert all(not r.packed_ids for r in plain.results) and all(not r.ids for r in packed.results)
-        assert [unpack_ids(r.packed_ids) for r in packed.results] == [list(r.ids) for r in plain.results]
-        assert len(packed.results[0].packed_ids) == 4 * len(plain.results[0].ids) > 0
-
-
 async def test_texts_and_chats_answer_like_the_library(tiny_dirs: dict[str, pathlib.Path]) -> None:
-    """The same ids as the library, packed or not, for texts (with and without special tokens)
-    and chats in one call; the token limit still applies."""
+    """The same ids as the library, as repeated ids or packed (only the one asked for), for texts
+    (with and without special tokens, empty) and chats in one call; the token limit still applies."""
     async with running(tiny_dirs["tiny-sentencepiece"], max_input_tokens=1000) as (app, stub):
         raw = app.encoder.tokenizer.tokenizer  # type: ignore[union-attr]
         chat = [("system", "Be brief."), ("user", "Hi 👋")]
@@ -110,8 +100,10 @@ async def test_texts_and_chats_answer_like_the_library(tiny_dirs: dict[str, path
         rendered = app.encoder.template.render([{"role": r, "content": c} for r, c in chat], True)  # type: ignore[union-attr]
         expected = [raw.encode(TEXT).ids, raw.encode(SAMPLES[3], add_special_tokens=False).ids, raw.encode("").ids,
                     raw.encode(rendered, add_special_tokens=False).ids]
+        assert all(not r.packed_ids for r in plain.results) and all(not r.ids for r in packed.results)
         assert [list(r.ids) for r in plain.results] == expected
         assert [unpack_ids(r.packed_ids) for r in packed.results] == expected
+        assert len(packed.results[0].packed_ids) == 4 * len(plain.results[0].ids) > 0
         await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[text_input(TEXT * 20)])),
                            grpc.StatusCode.INVALID_ARGUMENT, "PROMPT_TOO_LONG")
 
