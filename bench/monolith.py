@@ -40,9 +40,7 @@ from services.config import parse_settings, setting
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import configure_logging
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-
-FINISH = {"length": common_pb2.FINISH_REASON_LENGTH, "stop": common_pb2.FINISH_REASON_STOP,
-          "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
+from services.wire import FINISH_CODES
 
 
 @dataclass
@@ -135,7 +133,7 @@ class MonolithServicer(inference_pb2_grpc.InferenceServicer):
         now = time.monotonic()
         first = t_first or now
         yield inference_pb2.GenerateResponse(done=inference_pb2.Done(
-            finish_reason=FINISH[reason],
+            finish_reason=FINISH_CODES[reason],
             usage=common_pb2.Usage(prompt_tokens=len(ids), cached_tokens=cached, completion_tokens=generated),
             timings=common_pb2.Timings(ttft_seconds=first - t0, total_seconds=now - t0,
                                        tokenize_seconds=t_tok - t0, decode_seconds=now - first)))

@@ -59,13 +59,14 @@ def parse_settings(cls: type[T], argv: Sequence[str] | None, *, prog: str, env_p
         env = env_prefix + f.name.upper()
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} [env {env}]".replace("%", "%%")  # argparse %-formats help
-        if _base_type(hints[f.name]) is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text + f" (default: {default})".replace("%", "%%"))
+        is_bool = _base_type(hints[f.name]) is bool
+        shown = default if is_bool else repr(default)
+        # argparse %-formats help texts
+        help_text = f"{f.metadata.get('help', '')} [env {env}] (default: {shown})".replace("%", "%%")
+        if is_bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
-                                help=help_text + f" (default: {default!r})".replace("%", "%%"))
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=help_text)
     ns = parser.parse_args(argv)
     values: dict[str, Any] = {}
     for f in fields:

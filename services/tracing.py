@@ -27,8 +27,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-_configured = False
-_provider: TracerProvider | None = None
+_provider: TracerProvider | None = None   # installed once per process
 
 
 class JsonlSpanExporter(SpanExporter):
@@ -63,9 +62,9 @@ def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExpor
     ``trace_file`` (or env TOKENRELAY_TRACE_FILE) appends spans as JSON lines. A later call only
     adds its ``exporter`` to the provider already installed (tests attach in-memory exporters).
     """
-    global _configured, _provider
-    if _configured:
-        if exporter is not None and _provider is not None:
+    global _provider
+    if _provider is not None:
+        if exporter is not None:
             _provider.add_span_processor(SimpleSpanProcessor(exporter))
         return
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
@@ -82,7 +81,6 @@ def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExpor
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
     trace.set_tracer_provider(provider)
     _provider = provider
-    _configured = True
 
 
 def tracer(name: str) -> trace.Tracer:

@@ -54,15 +54,10 @@ def pack_ids(ids: Iterable[int]) -> bytes:
 
 def unpack_ids(data: bytes) -> list[int]:
     """The inverse of `pack_ids`; a length that is not a multiple of 4 is a ValueError."""
-    return ids_array(data).tolist()
-
-
-def ids_array(data: bytes) -> array.array[int]:
-    """Packed ids as an array of ints (one copy; `pack_ids` of it is one copy back)."""
     if len(data) % 4:
         raise ValueError(f"packed ids of {len(data)} bytes: not a multiple of 4")
     out = _id_array()
     out.frombytes(data)
     if sys.byteorder != "little":  # pragma: no cover
         out.byteswap()
-    return out
+    return out.tolist()
