@@ -114,11 +114,11 @@ def build_workload(tok: Tokenizer, text: str, args: argparse.Namespace) -> Workl
 
 
 # ------------------------------------------------------------------------------------- systems
-def engine_flags(args: argparse.Namespace, vocab: str) -> list[str]:
-    """Sim settings both systems share: context for the longest prompt, the prefill cost."""
-    flags = ["--sim-max-context", str(args.max_prompt_tokens + args.max_tokens + 1024),
-             "--sim-prefill-time-per-token", repr(args.prefill_us * 1e-6)]
-    return [*flags, "--sim-vocab-size", vocab] if vocab else flags
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """Sim settings both systems share: context for the longest prompt, the prefill cost (the
+    mesh's engine also gets the tokenizer's vocabulary size from the launcher)."""
+    return ["--sim-max-context", str(args.max_prompt_tokens + args.max_tokens + 1024),
+            "--sim-prefill-time-per-token", repr(args.prefill_us * 1e-6)]
 
 
 class System(Mesh):
@@ -157,7 +157,7 @@ class MonolithSystem(System):
         proc = self._spawn("monolith", [
             sys.executable, str(REPO / "bench" / "monolith.py"), "--tokenizer", str(self.o.model), "--port", "0",
             "--port-file", str(port_file), "--load-trace", str(self.trace),
-            "--sample-interval", str(self.args.sample_interval), *engine_flags(self.args, "")])
+            "--sample-interval", str(self.args.sample_interval), *engine_flags(self.args)])
         self.router_address = await self._wait_port(proc, port_file)
         return self.router_address
 
@@ -170,17 +170,16 @@ class MeshSystem(System):
     """Redis, N tokenizer replicas, the engine and the router; this process polls the engine's
     GetLoad for the load samples (the launcher's own mesh has one tokenizer)."""
 
-    def __init__(self, replicas: int, tokenizer: pathlib.Path, work: pathlib.Path, args: argparse.Namespace,
-                 vocab: int) -> None:
+    def __init__(self, replicas: int, tokenizer: pathlib.Path, work: pathlib.Path, args: argparse.Namespace) -> None:
         super().__init__(f"mesh{replicas}", tokenizer, work, args)
-        self.replicas, self.vocab = replicas, vocab
+        self.replicas = replicas
         self.samples: list[Sample] = []
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
         self.o.tokenizer_replicas = self.replicas
         self.o.tokenizer_args = ["--workers", str(self.args.tokenizer_workers), "--library-threads", "1"]
-        self.o.engine_args = engine_flags(self.args, str(self.vocab))
+        self.o.engine_args = engine_flags(self.args)
         return await super().start()
 
     async def begin(self) -> None:
@@ -373,14 +372,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------- main
-def make_system(name: str, tokenizer: pathlib.Path, work: pathlib.Path, args: argparse.Namespace,
-                vocab: int) -> System:
+def make_system(name: str, tokenizer: pathlib.Path, work: pathlib.Path, args: argparse.Namespace) -> System:
     if name == "monolith":
         return MonolithSystem(name, tokenizer, work / name, args)
     match = re.fullmatch(r"mesh(\d+)", name)
     if not match or int(match.group(1)) < 1:
         raise SystemExit(f"--systems: unknown system {name!r} (monolith, mesh1, mesh2, ...)")
-    return MeshSystem(int(match.group(1)), tokenizer, work / name, args, vocab)
+    return MeshSystem(int(match.group(1)), tokenizer, work / name, args)
 
 
 async def run(args: argparse.Namespace, work: pathlib.Path) -> dict[str, Any]:
@@ -395,7 +393,7 @@ async def run(args: argparse.Namespace, work: pathlib.Path) -> dict[str, Any]:
           f"(engine capacity ~{workload.capacity:.2f} req/s); text={source} tokenizer={tokenizer}", file=sys.stderr)
     rows = []
     for name in args.systems.split(","):
-        system = make_system(name.strip(), tokenizer, work, args, tok.get_vocab_size())
+        system = make_system(name.strip(), tokenizer, work, args)
         try:
             await system.start()
             rows.append(summarize(system.name, await drive(system, workload, args), workload))
@@ -434,8 +432,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # One core per encode thread: the tokenizers library would otherwise fan a batch out over
-    # every core, and "N replicas" would no longer mean N cores of tokenization.
+    # One core per encode thread in this process and in the monolith (which inherits it): the
+    # tokenizers library would otherwise fan a batch out over every core. The mesh's replicas get
+    # the same from --library-threads 1 (tokenizer_svc sets this variable itself).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     with tempfile.TemporaryDirectory(prefix="starvation-") as tmp:
         result = asyncio.run(run(args, pathlib.Path(args.work_dir or tmp)))

@@ -81,10 +81,10 @@ class DetokRow:
     seconds: float
 
 
-def make_prompts(tok: Tokenizer, text: str, tokens: int, count: int) -> list[str]:
-    """`count` distinct prompts of about `tokens` tokens each, cut at token boundaries."""
-    enc = tok.encode(text, add_special_tokens=False)
-    offsets, prompts = enc.offsets, []
+def make_prompts(text: str, offsets: list[tuple[int, int]], tokens: int, count: int) -> list[str]:
+    """`count` distinct prompts of about `tokens` tokens each, cut at token boundaries (`offsets`:
+    the character spans of `text`'s tokens)."""
+    prompts: list[str] = []
     step = max(1, (len(offsets) - tokens) // max(1, count))
     for i in range(count):
         start = (i * step) % max(1, len(offsets) - tokens)
@@ -115,13 +115,12 @@ def _pin(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
-def _child_env(cpus: set[int] | None, threads: int = 0) -> dict[str, str]:
-    """The tokenizers library's thread pool sized to the pinned cores (some sandboxes, gVisor
-    among them, accept an affinity mask without enforcing it; the pool size still holds), or to
-    `threads` for unpinned replicas that share the cores."""
+def _child_env(cpus: set[int] | None) -> dict[str, str]:
+    """The raw encoder's library pool sized to its pinned cores (some sandboxes, gVisor among
+    them, accept an affinity mask without enforcing it; the pool size still holds)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    if cpus or threads:
-        env["RAYON_NUM_THREADS"] = str(len(cpus) if cpus else threads)
+    if cpus:
+        env["RAYON_NUM_THREADS"] = str(len(cpus))
     return env
 
 
@@ -220,19 +219,14 @@ async def measure_coalesced(addresses: list[str], prompts: list[str], clients: i
         await upstream.close()
 
 
-async def measure_point(tok: Tokenizer, raw_encoder: RawEncoder, services: list[Service], prompts: list[str],
+async def measure_point(prompt_tokens: int, raw_encoder: RawEncoder, services: list[Service], prompts: list[str],
                         clients: int, args: argparse.Namespace, mode: str = "direct") -> TokenizeRow:
     """Raw and service measured in alternating rounds, so background load hits both alike."""
     raws, rates, ratios, latencies, raw_cpu, svc_cpu = [], [], [], [], [], []
     procs = [psutil.Process(service.proc.pid) for service in services]
 
-    def service_cpu() -> float:   # any child processes of the service included
-        total = 0.0
-        for proc in procs:
-            for p in (proc, *proc.children(recursive=True)):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    total += sum(p.cpu_times()[:2])
-        return total
+    def service_cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
 
     for _ in range(args.rounds):
         raw, raw_per_cpu = raw_encoder.measure(prompts, clients, args.seconds / args.rounds)
@@ -254,8 +248,7 @@ async def measure_point(tok: Tokenizer, raw_encoder: RawEncoder, services: list[
         ratios.append(svc / raw)
         latencies.extend(lat)
     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [latencies[0]] * 99
-    mean_tokens = round(statistics.mean(len(e.ids) for e in tok.encode_batch_fast(prompts, add_special_tokens=False)))
-    return TokenizeRow(mode, mean_tokens, clients, len(latencies),
+    return TokenizeRow(mode, prompt_tokens, clients, len(latencies),
                        statistics.median(rates), statistics.median(raws), statistics.median(ratios),
                        statistics.median(latencies) * 1e3, q[98] * 1e3, statistics.median(svc_cpu),
                        statistics.median(raw_cpu), statistics.median(svc_cpu) / statistics.median(raw_cpu))
@@ -310,19 +303,24 @@ async def detok_multiplexed(stub: Any, ids: list[list[int]]) -> float:
 
 
 class Service:
-    """`python -m tokenizer_svc` on an ephemeral port, pinned to `cpus` when given."""
+    """`python -m tokenizer_svc` on an ephemeral port, pinned to `cpus` when given. Its library
+    pool is sized to those cores (some sandboxes, gVisor among them, accept an affinity mask
+    without enforcing it; the pool size still holds), or to `threads` for unpinned replicas that
+    share the cores."""
 
     def __init__(self, tokenizer: pathlib.Path, cpus: set[int] | None, extra: list[str] | None = None,
                  threads: int = 0) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="bench-tok-")
         self.port_file = pathlib.Path(self._dir.name) / "port"
         self.log = open(pathlib.Path(self._dir.name) / "log", "w")  # closed in stop()
+        threads = len(cpus) if cpus else threads
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenizer_svc", "--tokenizer", str(tokenizer), "--port", "0",
              "--port-file", str(self.port_file), "--log-level", "WARNING",
-             "--max-input-tokens", "-1", "--max-batch", "256", *(extra or [])],
+             "--max-input-tokens", "-1", "--max-batch", "256",
+             *(["--library-threads", str(threads)] if threads else []), *(extra or [])],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_pin(cpus),
-            env=_child_env(cpus, threads))
+            env=_child_env(None))
         self.address = ""
         self.channel: Any = None
         self.stub: Any = None
@@ -382,22 +380,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for service in services:
             await service.start()
         stub = services[0].stub
-        total_tokens = len(tok.encode(text, add_special_tokens=False).ids)
+        encoded = tok.encode(text, add_special_tokens=False)
+        all_ids, offsets = encoded.ids, encoded.offsets
         for size in args.sizes:
             # Many distinct prompts, so repeats do not just measure the tokenizer's word cache.
             if size == "mixed":   # mostly 2k prompts, every 16th a 32k one (a long chat among short ones)
-                short = make_prompts(tok, text, 2048, 60)
-                long = make_prompts(tok, text, 32768, 4)
+                short = make_prompts(text, offsets, 2048, 60)
+                long = make_prompts(text, offsets, 32768, 4)
                 prompts = [long[i // 16] if i % 16 == 15 else short[i - i // 16] for i in range(64)]
             else:
-                prompts = make_prompts(tok, text, int(size), max(args.clients, min(64, total_tokens // int(size))))
+                prompts = make_prompts(text, offsets, int(size), max(args.clients, min(64, len(all_ids) // int(size))))
+            mean_tokens = round(statistics.mean(
+                len(e.ids) for e in tok.encode_batch_fast(prompts, add_special_tokens=False)))
             if "direct" in args.modes:
                 for clients in sorted({1, args.clients}):
-                    rows.append(await measure_point(tok, raw_encoder, services, prompts, clients, args))
+                    rows.append(await measure_point(mean_tokens, raw_encoder, services, prompts, clients, args))
             if "coalesced" in args.modes:
-                rows.append(await measure_point(tok, raw_encoder, services, prompts, args.clients, args,
+                rows.append(await measure_point(mean_tokens, raw_encoder, services, prompts, args.clients, args,
                                                 mode="coalesced"))
-        all_ids = tok.encode(text, add_special_tokens=False).ids
         seqs = [all_ids[i * args.detok_tokens:(i + 1) * args.detok_tokens] for i in range(args.detok_requests)]
         total = args.detok_requests * args.detok_tokens
         for mode, fn in (("stream per request", detok_single), ("multiplexed", detok_multiplexed)):
