@@ -43,10 +43,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from engine_svc.backends.sim import SimConfig
-from services.cli.launcher import Mesh, MeshOptions
 from services.client import Accepted, Client, Finished, TextDelta, TokenrelayError
 from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
+from tokenrelay_tools.cli.launcher import Mesh, MeshOptions
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SHARED = pathlib.Path(os.environ.get("TOKENRELAY_SHARED_DATA", REPO.parent / "shared" / "data"))

@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 if ! command -v redis-server >/dev/null 2>&1; then
-  $SUDO apt-get update -qq
-  $SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  # `env` carries the variable through sudo, and is a real command when SUDO is empty (root)
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 PY="${PYTHON:-python3}"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
@@ -19,5 +20,5 @@ fi
 # pyenv only exposes new console scripts (`tokenrelay`) after a rehash.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
 if ! command -v tokenrelay >/dev/null 2>&1; then
-  echo "note: 'tokenrelay' is not on PATH; use '$PY -m services.cli.main' or add $("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))') to PATH" >&2
+  echo "note: 'tokenrelay' is not on PATH; use '$PY -m tokenrelay_tools.cli.main' or add $("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))') to PATH" >&2
 fi

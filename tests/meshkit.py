@@ -32,7 +32,7 @@ def start_mesh(tmp: pathlib.Path, model: pathlib.Path, engine: str, *extra: str,
                timeout: float = 240) -> RunningMesh:
     state_file = tmp / "state.json"
     log = tmp / "up.log"
-    argv = [sys.executable, "-m", "services.cli.main", "up", "--model", str(model), "--engine", engine,
+    argv = [sys.executable, "-m", "tokenrelay_tools.cli.main", "up", "--model", str(model), "--engine", engine,
             "--port", "0", "--state-file", str(state_file), "--run-dir", str(tmp / "run"), *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
     deadline = time.monotonic() + timeout

@@ -1,11 +1,11 @@
-"""The flags `tokenrelay up` gives its tokenizer replicas (services/cli/launcher.py)."""
+"""The flags `tokenrelay up` gives its tokenizer replicas (tokenrelay_tools/cli/launcher.py)."""
 
 from __future__ import annotations
 
 import pathlib
 
-from services.cli.launcher import tokenizer_argv
 from tokenizer_svc.config import load_settings
+from tokenrelay_tools.cli.launcher import tokenizer_argv
 
 MODEL = pathlib.Path("/models/m")
 

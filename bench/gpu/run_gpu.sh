@@ -25,7 +25,7 @@ EPID=$!
 for i in $(seq 1 180); do [ -f /tmp/engine.port ] && break; sleep 0.5; done
 ADDR=127.0.0.1:$(cat /tmp/engine.port)
 for N in ${CONCURRENCY:-16 64}; do
-  timeout 200 python3 -m services.bench --target engine --engine-address $ADDR --workload bench/gpu/fixed-512-256.yaml \
+  timeout 200 python3 -m tokenrelay_tools.bench --target engine --engine-address $ADDR --workload bench/gpu/fixed-512-256.yaml \
     --concurrency $N --requests $N --duration 200 --drain-timeout 150 --vocab-size 128256 --max-context 8192 --no-progress \
     --json $OUT/engine_$N.json > $OUT/engine_$N.txt 2>&1
   tail -25 $OUT/engine_$N.txt

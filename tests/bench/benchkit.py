@@ -14,12 +14,12 @@ from typing import Any
 
 import grpc
 
-from services.bench.cli import add_bench_parser
-from services.bench.targets import Observer, Target, TargetSession, TurnResult
-from services.bench.workload import SessionPlan, TurnPlan, Workload, parse_workload
 from services.errors import TokenrelayError, Unauthenticated
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.waiting import poll  # noqa: F401 - re-exported for the bench tests
+from tokenrelay_tools.bench.cli import add_bench_parser
+from tokenrelay_tools.bench.targets import Observer, Target, TargetSession, TurnResult
+from tokenrelay_tools.bench.workload import SessionPlan, TurnPlan, Workload, parse_workload
 
 
 def bench_args(*argv: str) -> argparse.Namespace:

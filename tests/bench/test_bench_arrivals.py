@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from services.bench.arrivals import mean_rate, open_loop_times, rate_at
-from services.bench.workload import ArrivalSpec, Burst
+from tokenrelay_tools.bench.arrivals import mean_rate, open_loop_times, rate_at
+from tokenrelay_tools.bench.workload import ArrivalSpec, Burst
 
 
 def test_poisson_arrivals_have_the_target_rate_and_exponential_gaps() -> None:

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from services.bench.cli import run_bench
 from tests.bench.benchkit import bench_args
+from tokenrelay_tools.bench.cli import run_bench
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_module_entry_point_prints_help() -> None:
-    out = subprocess.run([sys.executable, "-m", "services.bench", "--help"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tokenrelay_tools.bench", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0
     for flag in ("--workload", "--compare", "--engine-address", "--slo-ttft", "--plot", "--api-key"):

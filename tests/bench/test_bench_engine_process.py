@@ -8,8 +8,8 @@ import pathlib
 
 import pytest
 
-from services.bench.cli import run_bench
 from tests.bench.benchkit import bench_args
+from tokenrelay_tools.bench.cli import run_bench
 
 WORKLOAD = """
 name: tiny

@@ -7,10 +7,10 @@ import asyncio
 import json
 import pathlib
 
-from services.bench.cli import run_bench
-from services.cli.launcher import Mesh, MeshOptions
 from tests.bench.benchkit import bench_args
 from tests.data import shared_path
+from tokenrelay_tools.bench.cli import run_bench
+from tokenrelay_tools.cli.launcher import Mesh, MeshOptions
 
 
 async def test_compare_against_a_real_mesh(tmp_path: pathlib.Path) -> None:

@@ -10,9 +10,9 @@ import itertools
 
 import pytest
 
-from services.bench.runner import RunConfig, Runner
-from services.bench.targets import MeshTarget
 from tests.bench.benchkit import Seen, workload
+from tokenrelay_tools.bench.runner import RunConfig, Runner
+from tokenrelay_tools.bench.targets import MeshTarget
 
 CHAT = {"name": "chat", "kind": "chat", "turns": 3, "system_tokens": 40, "prompt_tokens": 60, "output_tokens": 9}
 WORKLOAD = workload(

@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from services.bench.report import Slo, build_report, dist_stats, format_comparison, format_report, group_stats
-from services.bench.runner import RequestRecord, RunResult, _Timing, matched_plan
-from services.bench.targets import TurnResult
-from services.bench.workload import SessionPlan, TurnPlan
+from tokenrelay_tools.bench.report import Slo, build_report, dist_stats, format_comparison, format_report, group_stats
+from tokenrelay_tools.bench.runner import RequestRecord, RunResult, _Timing, matched_plan
+from tokenrelay_tools.bench.targets import TurnResult
+from tokenrelay_tools.bench.workload import SessionPlan, TurnPlan
 
 
 def _timing(sent: float, deltas: list[tuple[float, int | None]]) -> _Timing:

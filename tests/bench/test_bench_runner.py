@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.bench.runner import RunConfig, Runner, records_by_session
 from services.errors import ResourceExhausted
 from tests.bench.benchkit import FakeBehaviour, FakeTarget, poll, workload
+from tokenrelay_tools.bench.runner import RunConfig, Runner, records_by_session
 
 CHAT = {"name": "chat", "kind": "chat", "turns": 3, "prompt_tokens": 20, "output_tokens": 8}
 SINGLE = {"name": "single", "prompt_tokens": 50, "output_tokens": 6}

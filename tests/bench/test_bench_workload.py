@@ -11,7 +11,8 @@ from collections import Counter
 
 import pytest
 
-from services.bench.workload import (
+from tests.bench.benchkit import workload
+from tokenrelay_tools.bench.workload import (
     SessionSampler,
     WorkloadError,
     available_workloads,
@@ -19,7 +20,6 @@ from services.bench.workload import (
     load_workload,
     parse_dist,
 )
-from tests.bench.benchkit import workload
 
 SHIPPED = ("chat-multiturn", "long-context", "mixed-tenants", "burst")
 

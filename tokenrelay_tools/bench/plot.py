@@ -10,8 +10,6 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from .runner import RequestRecord, RunResult
 
 
@@ -22,9 +20,10 @@ class PlotUnavailable(RuntimeError):
 def require_matplotlib() -> Any:
     try:
         import matplotlib
-    except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'tokenrelay[bench]' "
-                              "(or pip install matplotlib)") from None
+        import numpy  # noqa: F401 - the charts' arithmetic; checked here so a missing one is one message
+    except ImportError as exc:
+        raise PlotUnavailable(f"--plot needs {exc.name}: pip install 'tokenrelay[bench]' "
+                              "(or pip install matplotlib numpy)") from None
     matplotlib.use("Agg")  # files only: never needs a display
     import matplotlib.pyplot as plt
 
@@ -47,6 +46,8 @@ def _series(results: Mapping[str, RunResult]) -> dict[str, list[RequestRecord]]:
 def _cdf(ax: Any, values: Sequence[float], label: str) -> None:
     if not values:
         return
+    import numpy as np
+
     x = np.sort(np.asarray(values) * 1000)
     y = np.arange(1, x.size + 1) / x.size
     ax.step(x, y, where="post", label=f"{label} (n={x.size})")
@@ -83,6 +84,8 @@ def plot_latency_cdfs(results: Mapping[str, RunResult], path: pathlib.Path, titl
 
 def plot_throughput(results: Mapping[str, RunResult], path: pathlib.Path, title: str, bin_s: float = 1.0) -> None:
     plt = require_matplotlib()
+    import numpy as np
+
     fig, (ax_tok, ax_req) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     for name, res in results.items():
         edges = np.arange(0.0, res.wall + bin_s, bin_s)

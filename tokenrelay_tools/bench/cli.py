@@ -21,8 +21,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from services.cli.launcher import DEFAULT_STATE
 from services.errors import TokenrelayError
+from tokenrelay_tools.cli.launcher import DEFAULT_STATE
 
 from .plot import PlotUnavailable, require_matplotlib, write_plots
 from .progress import Progress

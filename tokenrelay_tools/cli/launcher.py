@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from services.grpc_util import wait_healthy
 
-# Same rule as engine_svc.default_model.default_cache_root().
+# Same rule as tokenrelay_tools.default_model.default_cache_root().
 CACHE = pathlib.Path(os.environ.get("TOKENRELAY_CACHE")
                      or pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "tokenrelay")
 DEFAULT_STATE = CACHE / "local.json"

