@@ -27,39 +27,42 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from pydantic import Field
 from tokenizers import Tokenizer
 
 from engine_svc.backends import Backend, GenerationEvent, GenerationRequest, StepStats, create_backend
 from engine_svc.backends.sim import SimConfig
 from engine_svc.config import EngineSettings
-from services.config import parse_settings, setting
+from services.config import Settings, load_settings
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import configure_logging
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.wire import FINISH_CODES
 
 
-@dataclass
-class MonolithSettings:
+class MonolithSettings(Settings):
     """Naive monolith: inline tokenization + the sim engine in one process (bench baseline)."""
 
-    tokenizer: str = setting("", "model directory or tokenizer.json (required)")
-    host: str = setting("127.0.0.1", "address to bind")
-    port: int = setting(0, "port to bind (0 = ephemeral; see --port-file)")
-    port_file: str = setting("", "write the bound port here once serving")
-    sim_max_context: int = setting(40_960, "sim: model context (prompt + max_tokens)")
-    sim_vocab_size: int = setting(0, "sim: vocabulary of generated ids (0 = the tokenizer's)")
-    sim_prefill_time_per_token: float = setting(SimConfig.prefill_time_per_token,
-                                                "sim: seconds per uncached prompt token")
-    load_trace: str = setting("", "write the engine load samples here (JSON) at shutdown")
-    sample_interval: float = setting(0.01, "seconds between engine load samples")
-    log_level: str = setting("WARNING", "log level")
-    log_format: str = setting("console", "json | console")
-    shutdown_grace: float = setting(5.0, "seconds in-flight streams get to finish on SIGTERM")
+    ENV_PREFIX: ClassVar[str] = "TOKENRELAY_MONOLITH_"
+    PROG: ClassVar[str] = "python bench/monolith.py"
+
+    tokenizer: str = Field("", description="model directory or tokenizer.json (required)")
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(0, ge=0, le=65535, description="port to bind (0 = ephemeral; see --port-file)")
+    port_file: str = Field("", description="write the bound port here once serving")
+    sim_max_context: int = Field(40_960, ge=1, description="sim: model context (prompt + max_tokens)")
+    sim_vocab_size: int = Field(0, ge=0, description="sim: vocabulary of generated ids (0 = the tokenizer's)")
+    sim_prefill_time_per_token: float = Field(SimConfig().prefill_time_per_token, ge=0,
+                                              description="sim: seconds per uncached prompt token")
+    load_trace: str = Field("", description="write the engine load samples here (JSON) at shutdown")
+    sample_interval: float = Field(0.01, gt=0, description="seconds between engine load samples")
+    log_level: str = Field("WARNING", description="log level")
+    log_format: Literal["json", "console"] = Field("console", description="log format")
+    shutdown_grace: float = Field(5.0, ge=0, description="seconds in-flight streams get to finish on SIGTERM")
 
 
 class LoadSampler:
@@ -148,10 +151,9 @@ async def serve(settings: MonolithSettings) -> None:
     path = pathlib.Path(settings.tokenizer)
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
     # The same backend factory and settings as engine_svc, so both sides simulate the same GPU.
-    backend = create_backend(EngineSettings(
-        backend="sim", sim_max_context=settings.sim_max_context,
-        sim_prefill_time_per_token=settings.sim_prefill_time_per_token,
-        sim_vocab_size=settings.sim_vocab_size or tokenizer.get_vocab_size()))
+    backend = create_backend(EngineSettings(backend="sim", sim=SimConfig(
+        max_context=settings.sim_max_context, prefill_time_per_token=settings.sim_prefill_time_per_token,
+        vocab_size=settings.sim_vocab_size or tokenizer.get_vocab_size())))
     sampler = LoadSampler(backend, settings.sample_interval)
     await backend.start()
     name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -170,8 +172,7 @@ async def serve(settings: MonolithSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(MonolithSettings, argv, prog="python bench/monolith.py",
-                              env_prefix="TOKENRELAY_MONOLITH_")
+    settings = load_settings(MonolithSettings, argv)
     if not settings.tokenizer:
         raise SystemExit("bench/monolith.py: --tokenizer is required")
     configure_logging(settings.log_level, settings.log_format, "monolith")

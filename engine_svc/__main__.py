@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.config import parse_settings
-from services.logging import configure_logging
+from services.config import load_settings
+from services.logging import configure_logging, get_logger
 
 from .app import serve
 from .config import EngineSettings
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(EngineSettings, argv, prog="engine_svc", env_prefix="TOKENRELAY_ENGINE_")
-    configure_logging(settings.log_level, settings.log_format, service="engine")
+    settings = load_settings(EngineSettings, argv)
+    configure_logging(settings.telemetry.log_level, settings.telemetry.log_format, service="engine")
+    get_logger(__name__).info("settings", **settings.public())
     asyncio.run(serve(settings))
 
 

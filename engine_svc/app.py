@@ -22,22 +22,23 @@ async def start_engine(settings: EngineSettings) -> tuple[Engine, GrpcServer]:
     """Build and start the engine and its server (tests use this in-process)."""
     engine = Engine(create_backend(settings), settings.max_queued)
     await engine.start()
-    server = GrpcServer(settings.host, settings.port, [SERVICE_NAME], [ServerTracingInterceptor()])
+    server = GrpcServer(settings.server.host, settings.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
+                        security=settings.security)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
     await server.start()
     return engine, server
 
 
 def start_metrics(settings: EngineSettings) -> int:
-    """Serve /metrics on ``settings.metrics_port`` and publish the bound port to
+    """Serve /metrics on ``settings.telemetry.metrics_port`` and publish the bound port to
     ``metrics_port_file``; returns it (-1 = off). The endpoint lives as long as the process."""
-    port = start_metrics_server(settings.host, settings.metrics_port)
-    write_port_file(settings.metrics_port_file, port)
+    port = start_metrics_server(settings.server.host, settings.telemetry.metrics_port)
+    write_port_file(settings.telemetry.metrics_port_file, port)
     return port
 
 
 async def serve(settings: EngineSettings) -> None:
-    configure_tracing("engine_svc", settings.otlp_endpoint)
+    configure_tracing("engine_svc", settings.telemetry.otlp_endpoint, trace_file=settings.telemetry.trace_file)
     try:
         # Metrics first: their failure then needs no cleanup, and /metrics already answers while
         # a large model loads.
@@ -46,7 +47,7 @@ async def serve(settings: EngineSettings) -> None:
     except (ValueError, OSError) as exc:  # bad settings, missing model, port taken: say so, no traceback
         raise SystemExit(f"engine_svc: cannot start: {exc}") from exc
     try:
-        write_port_file(settings.port_file, server.port)
+        write_port_file(settings.server.port_file, server.port)
         load = engine.load()
         log.info("listening", address=server.address, metrics_port=metrics_port, backend=load.backend,
                  model=load.model, max_context=load.max_context, max_active=load.max_active)
@@ -55,7 +56,7 @@ async def serve(settings: EngineSettings) -> None:
         # Refuse new work, mark NOT_SERVING, and give in-flight requests the grace period; each
         # stream ends by itself once its requests are done, so an idle engine stops at once.
         engine.drain()
-        await server.stop(settings.shutdown_grace)
+        await server.stop(settings.server.shutdown_grace)
     finally:
         await engine.close()
     log.info("stopped")

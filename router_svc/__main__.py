@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.config import parse_settings
-from services.logging import configure_logging
+from services.config import load_settings
+from services.logging import configure_logging, get_logger
 
 from .app import serve
 from .config import RouterSettings
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(RouterSettings, argv, prog="router_svc", env_prefix="TOKENRELAY_ROUTER_")
-    configure_logging(settings.log_level, settings.log_format, service="router")
+    settings = load_settings(RouterSettings, argv)
+    configure_logging(settings.telemetry.log_level, settings.telemetry.log_format, service="router")
+    get_logger(__name__).info("settings", **settings.public())
     asyncio.run(serve(settings))
 
 

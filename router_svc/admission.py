@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from pydantic import Field, field_validator, model_validator
 from redis.exceptions import RedisError
 
-from services.errors import ResourceExhausted, Unavailable
+from services.config import MaskedUrl, Section, conflict, flag
+from services.errors import Reason
 from services.logging import get_logger
 
 log = get_logger(__name__)
@@ -57,14 +58,37 @@ return 0
 """
 
 
-@dataclass(frozen=True)
-class AdmissionSettings:
-    redis_url: str
-    pool: str = "default"
-    lease_ttl: float = 15.0
-    heartbeat_interval: float = 5.0
-    fail_open: bool = False
-    op_timeout: float = 2.0
+class AdmissionSettings(Section):
+    """The router's admission section: where the leases live and how they are kept."""
+
+    redis_url: MaskedUrl = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss://, "
+                                 "unix://); a password in it is never logged")
+    pool: str = Field("default", min_length=1, description="admission pool name (Redis key hash tag)")
+    lease_ttl: float = Field(15.0, gt=0, description="seconds a request lease lives without a heartbeat")
+    heartbeat_interval: float | None = Field(None, gt=0, json_schema_extra=flag("lease_heartbeat"),
+                                             description="seconds between a lease's heartbeats (unset = a third "
+                                                         "of --lease-ttl)")
+    fail_open: bool = Field(False, description="admit requests when Redis is unreachable (default: reject)")
+    op_timeout: float = Field(2.0, gt=0, description="seconds one Redis operation may take",
+                              json_schema_extra=flag("redis_timeout"))
+
+    @field_validator("redis_url")
+    @classmethod
+    def _scheme(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return url
+
+    @model_validator(mode="after")
+    def _heartbeat_within_ttl(self) -> AdmissionSettings:
+        if self.heartbeat_interval is not None and self.heartbeat_interval >= self.lease_ttl:
+            raise conflict("the lease heartbeat must be shorter than the lease TTL", "heartbeat_interval",
+                           "lease_ttl")
+        return self
+
+    @property
+    def heartbeat(self) -> float:
+        return self.heartbeat_interval if self.heartbeat_interval is not None else self.lease_ttl / 3
 
 
 class Admission:
@@ -90,7 +114,7 @@ class Admission:
             if self.settings.fail_open:
                 log.warning("redis_unavailable_fail_open", op=what, error=str(exc))
                 return None
-            raise Unavailable(f"admission store unreachable ({what})", "REDIS_UNAVAILABLE") from exc
+            raise Reason.REDIS_UNAVAILABLE.error(f"admission store unreachable ({what})") from exc
 
     async def acquire(self, tenant: str, request_id: str, limit: int) -> int:
         """Take a lease or raise ResourceExhausted. Returns the tenant's in-flight count."""
@@ -101,9 +125,8 @@ class Admission:
             return 0
         granted, value = int(result[0]), int(result[1])
         if not granted:
-            raise ResourceExhausted(
-                f"tenant {tenant!r} has {limit} requests in flight (its limit)",
-                "TENANT_CONCURRENCY_LIMIT", retry_after=value / 1000)
+            raise Reason.TENANT_CONCURRENCY_LIMIT.error(
+                f"tenant {tenant!r} has {limit} requests in flight (its limit)", retry_after=value / 1000)
         return value
 
     async def heartbeat(self, tenant: str, request_id: str) -> bool:
@@ -140,7 +163,7 @@ class LeaseKeeper:
 
     async def _beat(self) -> None:
         while True:
-            await asyncio.sleep(self._admission.settings.heartbeat_interval)
+            await asyncio.sleep(self._admission.settings.heartbeat)
             with contextlib.suppress(Exception):
                 if not await self._admission.heartbeat(self._tenant, self._request_id):
                     log.warning("lease_lost", request_id=self._request_id)

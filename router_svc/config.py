@@ -1,42 +1,73 @@
-"""router_svc settings (flags > TOKENRELAY_ROUTER_* environment variables > defaults)."""
+"""router_svc settings: flags > TOKENRELAY_ROUTER_* environment > config file > defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import ClassVar
 
-from services.config import setting
+from pydantic import Field, field_validator
 
+from services.config import Section, ServiceSettings, section
+
+from .admission import AdmissionSettings
 from .tokenize_batch import MAX_BYTES, MAX_CALLS
 
 
-@dataclass
-class RouterSettings:
-    """The client-facing front door of tokenrelay."""
+class UpstreamSettings(Section):
+    """Where the tokenizer and engine replicas are, and how calls to them are batched and bounded."""
 
-    host: str = setting("127.0.0.1", "address to bind")
-    port: int = setting(0, "port to bind (0 = ephemeral; see --port-file)")
-    port_file: str = setting("", "write the bound port here once serving")
-    tokenizers: list[str] = setting([], "tokenizer_svc addresses, comma-separated host:port")
-    engines: list[str] = setting([], "engine_svc addresses, comma-separated host:port")
-    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis URL (redis://, rediss://, unix://)")
-    tenants_file: str = setting("", "tenants YAML/TOML file (API key hashes and limits)")
-    pool: str = setting("default", "admission pool name (Redis key hash tag)")
-    lease_ttl: float = setting(15.0, "seconds a request lease lives without a heartbeat")
-    fail_open: bool = setting(False, "admit requests when Redis is unreachable (default: reject)")
-    request_timeout: float = setting(600.0, "default request deadline when the client sets none")
-    upstream_timeout: float = setting(10.0, "timeout of unary calls to the tokenizer")
-    tokenize_calls_in_flight: int = setting(MAX_CALLS, "most batched Tokenize calls in flight per tokenizer "
-                                                       "replica (what waits is spread over 2, more only when "
-                                                       "that many full calls wait); requests that arrive "
-                                                       "meanwhile wait and share the next calls")
-    tokenize_bytes_in_flight: int = setting(MAX_BYTES, "most input bytes in Tokenize calls in flight per tokenizer "
-                                                       "replica (below the replica's --max-pending-bytes)")
-    engine_poll_interval: float = setting(1.0, "seconds between engine load polls")
-    engine_attempts: int = setting(2, "replicas to try when an engine fails before the first token")
-    startup_timeout: float = setting(60.0, "seconds to wait for upstreams at start")
-    metrics_port: int = setting(-1, "Prometheus /metrics port (0 = ephemeral, -1 = off)")
-    metrics_port_file: str = setting("", "write the bound metrics port here")
-    otlp_endpoint: str = setting("", "OTLP gRPC endpoint for traces (empty = no export)")
-    log_level: str = setting("INFO", "log level")
-    log_format: str = setting("json", "json | console")
-    shutdown_grace: float = setting(10.0, "seconds in-flight streams get to finish on SIGTERM")
+    tokenizers: list[str] = Field(default_factory=list, description="tokenizer_svc addresses, host:port")
+    engines: list[str] = Field(default_factory=list, description="engine_svc addresses, host:port")
+    upstream_timeout: float = Field(10.0, gt=0, description="timeout of unary calls to the tokenizer")
+    startup_timeout: float = Field(60.0, gt=0, description="seconds to wait for upstreams at start")
+    tokenize_calls_in_flight: int = Field(
+        MAX_CALLS, ge=1, description="most batched Tokenize calls in flight per tokenizer replica (what waits "
+                                     "is spread over 2, more only when that many full calls wait); requests "
+                                     "that arrive meanwhile wait and share the next calls")
+    tokenize_bytes_in_flight: int = Field(
+        MAX_BYTES, ge=1, description="most input bytes in Tokenize calls in flight per tokenizer replica "
+                                     "(below the replica's --max-pending-bytes)")
+
+    @field_validator("tokenizers", "engines")
+    @classmethod
+    def _addresses(cls, addresses: list[str]) -> list[str]:
+        for address in addresses:
+            if not address.strip() or ":" not in address:
+                raise ValueError(f"{address!r} is not an address (host:port, or unix:PATH)")
+        return addresses
+
+
+class RoutingSettings(Section):
+    """How requests are placed on engine replicas."""
+
+    engine_poll_interval: float = Field(1.0, gt=0, description="seconds between engine load polls")
+    engine_attempts: int = Field(2, ge=1, description="replicas to try when an engine fails before the first "
+                                                      "token")
+
+
+class LimitSettings(Section):
+    """Per-request limits the router applies itself (tenant limits are in the tenants file)."""
+
+    request_timeout: float = Field(600.0, gt=0, description="default request deadline when the client sets none")
+
+
+class RouterSettings(ServiceSettings):
+    """router_svc: the client-facing front door of tokenrelay."""
+
+    ENV_PREFIX: ClassVar[str] = "TOKENRELAY_ROUTER_"
+    PROG: ClassVar[str] = "router_svc"
+
+    tenants_file: str = Field("", validate_default=True, description="tenants YAML/TOML file (API key hashes "
+                                                                     "and limits; required)")
+    tenants_reload_interval: float = Field(5.0, ge=0, description="seconds between checks of the tenants file "
+                                           "for changes (0 = reload on SIGHUP only)")
+    upstreams: UpstreamSettings = section(UpstreamSettings, "upstreams")
+    admission: AdmissionSettings = section(AdmissionSettings, "admission (Redis leases)")
+    routing: RoutingSettings = section(RoutingSettings, "routing")
+    limits: LimitSettings = section(LimitSettings, "limits")
+
+    @field_validator("tenants_file")
+    @classmethod
+    def _required(cls, path: str) -> str:
+        if not path:
+            raise ValueError("is required")
+        return path

@@ -10,7 +10,6 @@ in-memory exporter in tests, and nowhere otherwise (the SDK still creates ids so
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -59,7 +58,7 @@ def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExpor
                       trace_file: str = "") -> None:
     """Install the global tracer provider once per process.
 
-    ``trace_file`` (or env TOKENRELAY_TRACE_FILE) appends spans as JSON lines. A later call only
+    ``trace_file`` (each service's ``--trace-file``) appends spans as JSON lines. A later call only
     adds its ``exporter`` to the provider already installed (tests attach in-memory exporters).
     """
     global _provider
@@ -68,7 +67,6 @@ def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExpor
             _provider.add_span_processor(SimpleSpanProcessor(exporter))
         return
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    trace_file = trace_file or os.environ.get("TOKENRELAY_TRACE_FILE", "")
     if trace_file:
         provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(trace_file)))
     if exporter is not None:

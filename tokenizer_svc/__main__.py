@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 
-from services.logging import configure_logging
+from services.logging import configure_logging, get_logger
 from tokenizer_svc.app import serve
 from tokenizer_svc.config import load_settings
 
@@ -15,9 +14,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = load_settings(argv)
     if settings.switch_interval_ms > 0:
         sys.setswitchinterval(settings.switch_interval_ms / 1000)
-    if settings.library_threads > 0:   # read by the library when its pool starts, at the first batch
-        os.environ["RAYON_NUM_THREADS"] = str(settings.library_threads)
-    configure_logging(settings.log_level, settings.log_format, service="tokenizer")
+    configure_logging(settings.telemetry.log_level, settings.telemetry.log_format, service="tokenizer")
+    get_logger(__name__).info("settings", **settings.public())
     asyncio.run(serve(settings))
 
 

@@ -29,7 +29,7 @@ def load_domain(settings: TokenizerSettings) -> tuple[LoadedTokenizer, ChatTempl
     """The tokenizer and its chat template (None when there is none); raises on bad files."""
     files = TokenizerFiles.discover(settings.tokenizer, tokenizer_config=settings.tokenizer_config,
                                     generation_config=settings.generation_config,
-                                    model_config=settings.model_config)
+                                    model_config=settings.model_config_file)
     loaded = load_tokenizer(files)
     chosen = resolve_template(settings.chat_template, loaded.chat_templates)
     template = None if chosen is None else ChatTemplate(chosen[1], chosen[0], loaded.special_tokens)
@@ -62,8 +62,7 @@ class TokenizerApp:
 
     async def start(self) -> None:
         s = self.settings
-        # Read by the tokenizers library at each batch call (process-wide).
-        os.environ["TOKENIZERS_PARALLELISM"] = "true" if s.library_parallelism else "false"
+        os.environ.update(s.library_environment())   # read by the tokenizers library (process-wide)
         # Parsing a large tokenizer.json takes a while: keep the loop free (signals, health).
         loaded, template = await asyncio.to_thread(load_domain, s)
         self.encoder = Encoder(loaded, template, encoder_limits(s, loaded), workers=s.effective_workers(),
@@ -72,17 +71,18 @@ class TokenizerApp:
         self.detokenizer = Detokenizer(loaded, workers=max(1, s.detok_workers),
                                        max_requests_per_stream=s.max_stream_requests)
         await self.detokenizer.start()
-        self.server = GrpcServer(s.host, s.port, [SERVICE_NAME], [ServerTracingInterceptor()])
+        self.server = GrpcServer(s.server.host, s.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
+                                 security=s.security)
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(
             TokenizerServicer(self.encoder, self.detokenizer), self.server.server)
         await self.server.start()
-        write_port_file(s.port_file, self.server.port)
+        write_port_file(s.server.port_file, self.server.port)
         log.info("tokenizer_serving", address=self.server.address, tokenizer=loaded.name,
                  chat_template=template.name if template else None, workers=s.effective_workers())
 
     async def stop(self) -> None:
         if self.server is not None:
-            await self.server.stop(self.settings.shutdown_grace)
+            await self.server.stop(self.settings.server.shutdown_grace)
         if self.encoder is not None:
             await self.encoder.close()
         if self.detokenizer is not None:
@@ -91,9 +91,10 @@ class TokenizerApp:
 
 
 async def serve(settings: TokenizerSettings) -> None:
-    configure_tracing("tokenizer_svc", settings.otlp_endpoint)
+    telemetry = settings.telemetry
+    configure_tracing("tokenizer_svc", telemetry.otlp_endpoint, trace_file=telemetry.trace_file)
     # Metrics first: /metrics answers while a large tokenizer.json loads.
-    write_port_file(settings.metrics_port_file, start_metrics_server(settings.host, settings.metrics_port))
+    write_port_file(telemetry.metrics_port_file, start_metrics_server(settings.server.host, telemetry.metrics_port))
     app = TokenizerApp(settings)
     try:
         await app.start()

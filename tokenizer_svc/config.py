@@ -1,64 +1,88 @@
-"""Settings of the tokenizer service (flags, TOKENRELAY_TOKENIZER_* environment, defaults)."""
+"""tokenizer_svc settings: flags > TOKENRELAY_TOKENIZER_* environment > config file > defaults."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import ClassVar
 
-from services.config import parse_settings, setting
+from pydantic import Field, field_validator, model_validator
 
-ENV_PREFIX = "TOKENRELAY_TOKENIZER_"
+from services.config import ServerSettings, ServiceSettings, conflict, section
+from services.config import load_settings as _load
 
 
-@dataclass
-class TokenizerSettings:
+class TokenizerServerSettings(ServerSettings):
+    shutdown_grace: float = Field(5.0, ge=0, description="seconds in-flight calls get to finish on SIGTERM")
+
+
+class TokenizerSettings(ServiceSettings):
     """tokenizer_svc: batched tokenization and multiplexed streaming detokenization over gRPC."""
 
-    tokenizer: str = setting("", "model directory or tokenizer.json (required); tokenizer_config.json, "
-                                 "generation_config.json and config.json are read from the same directory")
-    tokenizer_config: str = setting("", "explicit tokenizer_config.json (default: next to tokenizer.json)")
-    generation_config: str = setting("", "explicit generation_config.json (default: next to tokenizer.json)")
-    model_config: str = setting("", "explicit config.json (default: next to tokenizer.json)")
-    chat_template: str = setting("", "chat template override: a file path, one of the model's named "
-                                     "templates, or a built-in name (chatml, gemma)")
-    workers: int = setting(0, "tokenize worker threads; 0 = 2 with library parallelism (a batch uses every "
-                              "core; the second covers a batch held up by one long input), else the cores this "
-                              "process may run on")
-    library_parallelism: bool = setting(True, "let the tokenizers library spread each batch over its own "
-                                             "thread pool, batches running one after another (best for "
-                                             "batched calls, which is what the router sends); off = each worker "
-                                             "thread encodes its own batch (docs/benchmarks.md)")
-    library_threads: int = setting(0, "threads of the tokenizers library's pool (0 = the cores this process may "
-                                      "run on); N replicas on one host should get a share each, as "
-                                      "`tokenrelay up --tokenizers N` does (read once, at start)")
-    overlap_ms: float = setting(20.0, "with library parallelism: a batch may start while another runs only "
-                                      "once that one has run this long (it is then held up by a long input "
-                                      "while the library's other threads idle)")
-    max_batch: int = setting(64, "most inputs in one Tokenize call")
-    batch_inputs: int = setting(256, "most inputs encoded together (queued calls are merged up to this): on many "
-                                     "cores a big batch leaves the library's threads less idle at its end")
-    max_pending: int = setting(4096, "inputs queued or running before Tokenize answers UNAVAILABLE/OVERLOADED")
-    max_pending_bytes: int = setting(32 << 20, "text (UTF-8 bytes) queued or being encoded before Tokenize "
-                                               "answers UNAVAILABLE/OVERLOADED at once; 0 = no byte limit")
-    max_input_bytes: int = setting(4 << 20, "largest input in UTF-8 bytes (INPUT_TOO_LARGE beyond)")
-    max_input_tokens: int = setting(0, "most tokens per input (PROMPT_TOO_LONG beyond); 0 = the model's "
-                                       "context length when known, else no limit; -1 = no limit")
-    chat_cache_tokens: int = setting(20_000_000, "token budget of the per-session chat prefix cache "
-                                     "(incremental chat tokenization); 0 = off")
-    switch_interval_ms: float = setting(0.5, "Python's thread switch interval (sys.setswitchinterval; Python's "
-                                              "default is 5): how long a worker that finished encoding may "
-                                              "wait for the interpreter lock before it can start the next batch")
-    detok_workers: int = setting(1, "threads that run large Detokenize batches off the event loop")
-    max_stream_requests: int = setting(10_000, "most requests open at once on one Detokenize stream")
-    metrics_port: int = setting(-1, "Prometheus /metrics port (0 = ephemeral, -1 = off)")
-    metrics_port_file: str = setting("", "write the bound metrics port here")
-    otlp_endpoint: str = setting("", "OTLP gRPC endpoint for traces (empty = no export)")
-    host: str = setting("127.0.0.1", "address to bind")
-    port: int = setting(0, "port to bind (0 = ephemeral)")
-    port_file: str = setting("", "once serving, write the bound port here (atomically)")
-    log_level: str = setting("INFO", "log level")
-    log_format: str = setting("json", "log format: json or console")
-    shutdown_grace: float = setting(5.0, "seconds in-flight calls get to finish on shutdown")
+    ENV_PREFIX: ClassVar[str] = "TOKENRELAY_TOKENIZER_"
+    PROG: ClassVar[str] = "python -m tokenizer_svc"
+
+    server: TokenizerServerSettings = section(TokenizerServerSettings, "server")
+
+    tokenizer: str = Field("", validate_default=True, description="model directory or tokenizer.json "
+                           "(required); tokenizer_config.json, generation_config.json and config.json are "
+                           "read from the same directory")
+    tokenizer_config: str = Field("", description="explicit tokenizer_config.json (default: next to tokenizer.json)")
+    generation_config: str = Field("", description="explicit generation_config.json (default: next to "
+                                                   "tokenizer.json)")
+    # `model_config` is pydantic's own attribute: the field is model_config_file, named model_config outside.
+    model_config_file: str = Field("", alias="model_config", description="explicit config.json (default: next "
+                                                                         "to tokenizer.json)")
+    chat_template: str = Field("", description="chat template override: a file path, one of the model's named "
+                                               "templates, or a built-in name (chatml, gemma)")
+    workers: int = Field(0, ge=0, description="tokenize worker threads; 0 = 2 with library parallelism (a batch "
+                         "uses every core; the second covers a batch held up by one long input), else the cores "
+                         "this process may run on")
+    library_parallelism: bool = Field(True, description="let the tokenizers library spread each batch over its "
+                                      "own thread pool, batches running one after another (best for batched "
+                                      "calls, which is what the router sends); off = each worker thread encodes "
+                                      "its own batch (docs/benchmarks.md)")
+    library_threads: int = Field(0, ge=0, description="threads of the tokenizers library's pool (0 = the cores "
+                                 "this process may run on); N replicas on one host should get a share each, as "
+                                 "`tokenrelay up --tokenizers N` does (read once, at start)")
+    overlap_ms: float = Field(20.0, ge=0, description="with library parallelism: a batch may start while another "
+                              "runs only once that one has run this long (it is then held up by a long input "
+                              "while the library's other threads idle)")
+    max_batch: int = Field(64, ge=1, description="most inputs in one Tokenize call")
+    batch_inputs: int = Field(256, ge=1, description="most inputs encoded together (queued calls are merged up "
+                              "to this): on many cores a big batch leaves the library's threads less idle at its "
+                              "end")
+    max_pending: int = Field(4096, ge=0, description="inputs queued or running before Tokenize answers "
+                                                     "UNAVAILABLE/OVERLOADED")
+    max_pending_bytes: int = Field(32 << 20, ge=0, description="text (UTF-8 bytes) queued or being encoded "
+                                   "before Tokenize answers UNAVAILABLE/OVERLOADED at once; 0 = no byte limit")
+    max_input_bytes: int = Field(4 << 20, ge=1, description="largest input in UTF-8 bytes (INPUT_TOO_LARGE "
+                                                            "beyond)")
+    max_input_tokens: int = Field(0, ge=-1, description="most tokens per input (PROMPT_TOO_LONG beyond); 0 = "
+                                  "the model's context length when known, else no limit; -1 = no limit")
+    chat_cache_tokens: int = Field(20_000_000, ge=0, description="token budget of the per-session chat prefix "
+                                   "cache (incremental chat tokenization); 0 = off")
+    switch_interval_ms: float = Field(0.5, ge=0, description="Python's thread switch interval "
+                                      "(sys.setswitchinterval; Python's default is 5; 0 = leave it): how long a "
+                                      "worker that finished encoding may wait for the interpreter lock before it "
+                                      "can start the next batch")
+    detok_workers: int = Field(1, ge=1, description="threads that run large Detokenize batches off the event loop")
+    max_stream_requests: int = Field(10_000, ge=1, description="most requests open at once on one Detokenize "
+                                                               "stream")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _required(cls, path: str) -> str:
+        if not path:
+            raise ValueError("is required")
+        return path
+
+    @model_validator(mode="after")
+    def _batch_limits(self) -> TokenizerSettings:
+        if self.max_batch > self.batch_inputs:
+            raise conflict(f"a call's inputs ({self.max_batch}) must fit in one batch ({self.batch_inputs})",
+                           "max_batch", "batch_inputs")
+        return self
 
     def effective_workers(self) -> int:
         if self.workers > 0:
@@ -69,9 +93,15 @@ class TokenizerSettings:
         """Seconds before a second batch may join a running one (0 = whenever a worker is free)."""
         return self.overlap_ms / 1000 if self.library_parallelism else 0.0
 
+    def library_environment(self) -> dict[str, str]:
+        """The variables the tokenizers library reads (process-wide), set in one place: `TokenizerApp.start`.
+        RAYON_NUM_THREADS sizes its pool when the pool starts, at the first batch;
+        TOKENIZERS_PARALLELISM is read at each batch call."""
+        env = {"TOKENIZERS_PARALLELISM": "true" if self.library_parallelism else "false"}
+        if self.library_threads > 0:
+            env["RAYON_NUM_THREADS"] = str(self.library_threads)
+        return env
 
-def load_settings(argv: list[str] | None = None) -> TokenizerSettings:
-    settings = parse_settings(TokenizerSettings, argv, prog="python -m tokenizer_svc", env_prefix=ENV_PREFIX)
-    if not settings.tokenizer:
-        raise SystemExit("python -m tokenizer_svc: --tokenizer (or TOKENRELAY_TOKENIZER_TOKENIZER) is required")
-    return settings
+
+def load_settings(argv: Sequence[str] | None = None) -> TokenizerSettings:
+    return _load(TokenizerSettings, argv)

@@ -5,8 +5,9 @@ Factories import their backend lazily, so `sim` never imports torch.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .base import (
     Backend,
@@ -22,40 +23,37 @@ from .base import (
 
 if TYPE_CHECKING:
     from ..config import EngineSettings
+    from .hf import HfConfig
+    from .sim import SimConfig
 
 __all__ = ["BACKENDS", "Backend", "FinishReason", "GenerationEvent", "GenerationRequest",
            "LoadSnapshot", "PrefixCacheStats", "Sink", "StepObserver", "StepStats", "create_backend"]
 
 
-def _sim(s: EngineSettings) -> Backend:
-    from .sim import SimBackend, SimConfig
+def _sim(config: SimConfig) -> Backend:
+    from .sim import SimBackend
 
-    return SimBackend(SimConfig(
-        model=s.model or SimConfig.model, max_batch_size=s.sim_max_batch_size,
-        max_num_tokens=s.sim_max_num_tokens, num_blocks=s.sim_num_blocks,
-        tokens_per_block=s.sim_tokens_per_block, vocab_size=s.sim_vocab_size,
-        max_context=s.sim_max_context, prefill_time_per_token=s.sim_prefill_time_per_token,
-        decode_step_time=s.sim_decode_step_time, decode_time_per_seq=s.sim_decode_time_per_seq,
-        eos_probability=s.sim_eos_probability))
+    return SimBackend(config)
 
 
-def _hf(s: EngineSettings) -> Backend:
-    from .hf import HfBackend, HfConfig
+def _hf(config: HfConfig) -> Backend:
+    from .hf import HfBackend
 
-    if not s.model:
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:  # a ValueError is reported in one line, before anything starts
+        raise ValueError(f"--backend hf needs the 'hf' extra ({', '.join(missing)} not installed): "
+                         "pip install 'tokenrelay[hf]'")
+    if not config.model:
         raise ValueError("the hf backend needs --model (a Hugging Face model directory)")
-    return HfBackend(HfConfig(
-        model=s.model, device=s.hf_device, dtype=s.hf_dtype, threads=s.hf_threads,
-        num_blocks=s.hf_num_blocks, block_size=s.hf_block_size,
-        max_batch_tokens=s.hf_max_batch_tokens, max_batch_size=s.hf_max_batch_size,
-        sampling=s.hf_sampling, random_weights=s.hf_random_weights))
+    return HfBackend(config)
 
 
-BACKENDS: dict[str, Callable[[EngineSettings], Backend]] = {"sim": _sim, "hf": _hf}
+# Each factory takes its backend's own section of the engine settings (`EngineSettings.backend_config`).
+BACKENDS: dict[str, Callable[[Any], Backend]] = {"sim": _sim, "hf": _hf}
 
 
 def create_backend(settings: EngineSettings) -> Backend:
     factory = BACKENDS.get(settings.backend)
     if factory is None:
         raise ValueError(f"unknown backend {settings.backend!r}; choose one of {sorted(BACKENDS)}")
-    return factory(settings)
+    return factory(settings.backend_config())

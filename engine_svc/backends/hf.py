@@ -29,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from services.errors import InvalidArgument, Unavailable
+from pydantic import Field
+
+from services.config import Section, flag
+from services.errors import Reason
 from services.logging import get_logger
 
 from .base import Backend, FinishReason, GenerationEvent, GenerationRequest, LoadSnapshot, Sink
@@ -42,18 +44,23 @@ log = get_logger(__name__)
 _FAILED = 4  # transformers RequestStatus.FAILED
 
 
-@dataclass
-class HfConfig:
-    model: str = ""
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int = 0
-    num_blocks: int = 256
-    block_size: int = 32
-    max_batch_tokens: int = 512
-    max_batch_size: int = 32
-    sampling: bool = True
-    random_weights: bool = False
+class HfConfig(Section):
+    """The transformers continuous-batching engine: device, precision and batch limits."""
+
+    model: str = Field("", description="model directory (config.json + safetensors)",
+                       json_schema_extra=flag(None))   # set by the engine's --model
+    device: str = Field("cpu", min_length=1, description="torch device (cpu, cuda, cuda:1, ...)")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="weights' dtype (auto = the checkpoint's)")
+    threads: int = Field(0, ge=0, description="torch.set_num_threads (0 = torch's default)")
+    num_blocks: int = Field(256, ge=1, description="KV cache blocks")
+    block_size: int = Field(32, ge=1, description="tokens per KV block (page)")
+    max_batch_tokens: int = Field(512, ge=1, description="tokens per forward pass")
+    max_batch_size: int = Field(32, ge=1, description="requests per forward pass")
+    sampling: bool = Field(True, description="allow temperature > 0 (per-request temperature, top_p, top_k); "
+                                             "off = a greedy-only engine")
+    random_weights: bool = Field(False, description="build the model from config.json with random weights "
+                                                    "(capacity tests of a model shape; outputs are noise)")
 
 
 class _HfRequest:
@@ -154,11 +161,10 @@ class HfBackend(Backend):
                 return {}
             return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
         if not self.config.sampling:
-            raise InvalidArgument("this engine runs greedy decoding only (temperature 0)",
-                                  "UNSUPPORTED_SAMPLING")
+            raise Reason.UNSUPPORTED_SAMPLING.error("this engine runs greedy decoding only (temperature 0)")
         if request.seed is not None:
-            raise InvalidArgument("per-request seeds are not supported by the hf backend "
-                                  "(transformers continuous batching has one RNG)", "UNSUPPORTED_SAMPLING")
+            raise Reason.UNSUPPORTED_SAMPLING.error("per-request seeds are not supported by the hf backend "
+                                                    "(transformers continuous batching has one RNG)")
         return {"temperature": float(request.temperature),
                 "top_k": int(request.top_k or self.vocab_size),
                 "top_p": float(request.top_p or 1.0)}
@@ -166,7 +172,7 @@ class HfBackend(Backend):
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         manager = self._manager
         if manager is None:
-            raise Unavailable("the hf engine is not running", "ENGINE_ERROR")
+            raise Reason.ENGINE_UNAVAILABLE.error("the hf engine is not running")
         kwargs = self._sampling_kwargs(request)
         eos = () if request.ignore_eos else (request.eos_token_ids or self._model_eos)
         stop = frozenset((*request.stop_token_ids, *eos))
@@ -179,8 +185,7 @@ class HfBackend(Backend):
                                     eos_token_id=sorted(stop), **kwargs)
         if added is None:
             self._drop_handler(req.internal_id)
-            raise Unavailable("the hf engine is not accepting requests (stopping or failed)",
-                              "ENGINE_ERROR")
+            raise Reason.ENGINE_UNAVAILABLE.error("the hf engine is not accepting requests (stopping or failed)")
         self._requests[request.request_id] = req
         self.prompt_tokens_total += len(request.prompt_token_ids)
 
@@ -192,7 +197,7 @@ class HfBackend(Backend):
         req.sent = len(tokens)
         self.generated_tokens_total += len(new)
         if output.status == _FAILED:
-            event = GenerationEvent.failed(req.request_id, "ENGINE_ERROR",
+            event = GenerationEvent.failed(req.request_id, Reason.ENGINE_ERROR,
                                            f"generation failed: {output.error}", new)
         elif output.is_finished():
             stopped = bool(tokens) and tokens[-1] in req.stop

@@ -31,9 +31,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass
 
-from services.errors import InvalidArgument
+from pydantic import Field
+
+from services.config import Section, flag
+from services.errors import Reason
 from services.logging import get_logger
 
 from .base import (
@@ -56,19 +58,23 @@ _FNV_PRIME = 0x100000001B3
 _EOS_BITS = 24
 
 
-@dataclass
-class SimConfig:
-    model: str = "sim-llama-8b"
-    max_batch_size: int = 256
-    max_num_tokens: int = 8192           # prefill tokens admitted per step (TRT-LLM max_num_tokens)
-    num_blocks: int = 25_000
-    tokens_per_block: int = 32
-    vocab_size: int = 128_256
-    max_context: int = 8192
-    prefill_time_per_token: float = 18e-6
-    decode_step_time: float = 0.0025
-    decode_time_per_seq: float = 8e-6
-    eos_probability: float = 0.0
+class SimConfig(Section):
+    """The simulated GPU: batch limits, KV cache and cost model (defaults: one H200, Llama-3-8B FP8)."""
+
+    model: str = Field("sim-llama-8b", description="the model name to report",
+                       json_schema_extra=flag(None))   # set by the engine's --model
+    max_batch_size: int = Field(256, ge=1, description="requests decoded per step")
+    max_num_tokens: int = Field(8192, ge=1, description="prompt tokens admitted per step "
+                                                        "(TensorRT-LLM's max_num_tokens)")
+    num_blocks: int = Field(25_000, ge=1, description="KV cache blocks")
+    tokens_per_block: int = Field(32, ge=1, description="tokens per KV block")
+    vocab_size: int = Field(128_256, ge=1, description="vocabulary size of generated ids")
+    max_context: int = Field(8192, ge=1, description="model context (prompt + max_tokens)")
+    prefill_time_per_token: float = Field(18e-6, ge=0, description="seconds per uncached prompt token")
+    decode_step_time: float = Field(0.0025, ge=0, description="fixed seconds per decode step")
+    decode_time_per_seq: float = Field(8e-6, ge=0, description="extra decode-step seconds per running request")
+    eos_probability: float = Field(0.0, ge=0, le=1, description="chance per token of emitting the request's "
+                                                                "EOS id")
 
 
 def context_state(tokens: list[int], state: int = _FNV_OFFSET) -> int:
@@ -152,8 +158,7 @@ class SimBackend(Backend):
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         if self.kv.blocks_for(len(request.prompt_token_ids) + request.max_tokens) > self.kv.num_blocks:
-            raise InvalidArgument("request needs more KV blocks than the cache holds",
-                                  "CONTEXT_LENGTH_EXCEEDED")
+            raise Reason.CONTEXT_LENGTH_EXCEEDED.error("request needs more KV blocks than the cache holds")
         hashes = self.kv.prompt_hashes(request.prompt_token_ids, request.cache_salt)
         self._waiting[request.request_id] = _SimRequest(request, sink, hashes, self.config.eos_probability)
         self._wake.set()

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 
-from services.grpc_util import insecure_channel, wait_healthy
+from services.channels import open_channel
+from services.grpc_util import wait_healthy
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.engine.engine_testkit import StreamClient, engine_request, poll
 
@@ -30,7 +31,7 @@ async def test_engine_process_serves_and_stops_cleanly_on_sigterm(tmp_path: path
                           what="port file")
         address = f"127.0.0.1:{int(port)}"
         await wait_healthy(address, timeout=10)
-        async with insecure_channel(address) as channel:
+        async with open_channel(address) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             client = StreamClient(stub)
             client.submit(engine_request("p1", [1, 2, 3], 20), engine_request("p2", [4, 5], 20))
@@ -72,8 +73,9 @@ def test_help_works_without_starting_anything() -> None:
 
 
 def test_bad_settings_exit_with_a_message() -> None:
-    for argv, needle in [(["--backend", "nope"], "unknown backend"), (["--backend", "hf"], "--model")]:
+    for argv, needle in [(["--backend", "nope"], "--backend (TOKENRELAY_ENGINE_BACKEND; file backend)"),
+                         (["--backend", "hf"], "the hf backend needs --model")]:
         out = subprocess.run([sys.executable, "-m", "engine_svc", *argv], cwd=REPO, capture_output=True,
                              text=True, timeout=60)
-        assert out.returncode != 0
-        assert "cannot start" in out.stderr and needle in out.stderr
+        assert out.returncode == 2
+        assert needle in out.stderr and "Traceback" not in out.stderr

@@ -13,7 +13,8 @@ from services.errors import ResourceExhausted, Unavailable
 
 @pytest.fixture
 async def admission(redis_url):
-    adm = Admission(AdmissionSettings(redis_url, pool=uuid.uuid4().hex, lease_ttl=0.5, heartbeat_interval=0.1))
+    adm = Admission(AdmissionSettings(redis_url=redis_url, pool=uuid.uuid4().hex, lease_ttl=0.5,
+                                      heartbeat_interval=0.1))
     yield adm
     await adm.close()
 
@@ -59,11 +60,11 @@ async def test_heartbeat_keeps_lease_alive(admission):
 
 async def test_redis_down_fails_closed_or_open(tmp_path):
     url = f"unix://{tmp_path}/nothing.sock"
-    closed = Admission(AdmissionSettings(url, op_timeout=0.5))
+    closed = Admission(AdmissionSettings(redis_url=url, op_timeout=0.5))
     with pytest.raises(Unavailable) as e:
         await closed.acquire("t", "r", 1)
     assert e.value.reason == "REDIS_UNAVAILABLE"
     await closed.close()
-    opened = Admission(AdmissionSettings(url, op_timeout=0.5, fail_open=True))
+    opened = Admission(AdmissionSettings(redis_url=url, op_timeout=0.5, fail_open=True))
     assert await opened.acquire("t", "r", 1) == 0
     await opened.close()
