@@ -2,10 +2,11 @@
 
 It is the one place that decides whether a request may enter the backend: shared validation,
 duplicate live ids (DUPLICATE_REQUEST_ID) and the bound on requests in flight — the backend's
-batch plus ``max_queued`` waiting — beyond which submits are rejected with ENGINE_OVERLOADED
+batch plus ``max_queued`` waiting — beyond which submits are rejected with OVERLOADED
 instead of queueing without limit. It also lets a unary Abort reach a request of any stream, and
-drains for a graceful shutdown: after `drain()` new submits are refused (ENGINE_OVERLOADED, so
-routers retry elsewhere) and every stream ends by itself once it carries no live request.
+drains for a graceful shutdown: after `drain()` new submits are refused (SHUTTING_DOWN, which the
+registry marks retryable, so routers retry elsewhere) and every stream ends by itself once it
+carries no live request.
 Between `start()` and `close()` its backend is attached to the metrics collector.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.errors import InvalidArgument, Unavailable
+from services.errors import Reason
 from services.logging import get_logger
 
 from . import metrics
@@ -59,13 +60,12 @@ class Engine:
         """Admit a request or raise the typed reason it cannot run."""
         rid = request.request_id
         if rid in self._live:
-            raise InvalidArgument(f"request id {rid!r} is already live", "DUPLICATE_REQUEST_ID")
+            raise Reason.DUPLICATE_REQUEST_ID.error(f"request id {rid!r} is already live")
         self.backend.validate(request)
         if self.draining:
-            raise Unavailable("engine is shutting down", "ENGINE_OVERLOADED", retry_after=0.0)
+            raise Reason.SHUTTING_DOWN.error("engine is shutting down")
         if len(self._live) >= self._capacity:
-            raise Unavailable(f"engine queue is full ({len(self._live)} requests in flight)",
-                              "ENGINE_OVERLOADED", retry_after=1.0)
+            raise Reason.OVERLOADED.error(f"engine queue is full ({len(self._live)} requests in flight)")
         live = self._live
 
         def on_event(event: GenerationEvent) -> None:

@@ -42,7 +42,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 REQUESTS = Counter(_P + "requests_total", "Accepted requests that finished, by finish reason "
                    "(length, stop, cancelled, error)", ["finish_reason"])
 REJECTIONS = Counter(_P + "rejections_total", "Requests refused at submit, by reason "
-                     "(ENGINE_OVERLOADED, EMPTY_PROMPT, DUPLICATE_REQUEST_ID, ...)", ["reason"])
+                     "(OVERLOADED, SHUTTING_DOWN, EMPTY_PROMPT, DUPLICATE_REQUEST_ID, ...)", ["reason"])
 PROMPT_TOKENS = Counter(_P + "prompt_tokens_total", "Prompt tokens of requests that were prefilled "
                         "(counted at their first token)")
 CACHED_TOKENS = Counter(_P + "cached_tokens_total", "Prompt tokens served from the prefix cache "

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
-from services.errors import TokenrelayError
+from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
 
 from .backends.base import GenerationEvent, GenerationRequest
@@ -52,7 +52,8 @@ class StreamSession:
         rid = request.request_id
         telemetry = RequestTelemetry(request, self._on_event)
         if rid in self._live:
-            self._reject(telemetry, rid, "DUPLICATE_REQUEST_ID", f"request id {rid!r} is already live on this stream")
+            self._reject(telemetry, rid, Reason.DUPLICATE_REQUEST_ID,
+                         f"request id {rid!r} is already live on this stream")
             return
         self._live.add(rid)
         try:
@@ -63,7 +64,7 @@ class StreamSession:
         except Exception as exc:  # a backend bug must not take the other requests down
             self._live.discard(rid)
             log.exception("submit_failed", request_id=rid)
-            self._reject(telemetry, rid, "ENGINE_ERROR", f"engine failed to accept the request: {exc!r}")
+            self._reject(telemetry, rid, Reason.ENGINE_ERROR, f"engine failed to accept the request: {exc!r}")
 
     def _reject(self, telemetry: RequestTelemetry, request_id: str, reason: str, message: str) -> None:
         telemetry.rejected(reason, message)

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from services.errors import InvalidArgument
+from services.errors import Reason
 
 from .pipeline import Router, Sessions
 from .tenants import Tenant
@@ -54,7 +54,7 @@ async def run_chat(router: Router, sessions: Sessions, tenant: Tenant,
                    incoming: AsyncIterator[ChatIn]) -> AsyncIterator[ChatOut]:
     first = await anext(incoming, None)
     if not isinstance(first, ChatStart):
-        raise InvalidArgument("the first chat message must be `start`", "CHAT_NOT_STARTED")
+        raise Reason.CHAT_NOT_STARTED.error("the first chat message must be `start`")
     session_id = sessions.claim(tenant, first.session_id)
     conversation: list[tuple[str, str]] = list(first.system)
     out: asyncio.Queue[object] = asyncio.Queue()
@@ -89,10 +89,10 @@ async def run_chat(router: Router, sessions: Sessions, tenant: Tenant,
         async for msg in incoming:
             if isinstance(msg, ChatTurn):
                 if busy:
-                    await out.put(InvalidArgument("a turn is already in progress", "TURN_IN_PROGRESS"))
+                    await out.put(Reason.TURN_IN_PROGRESS.error("a turn is already in progress"))
                     continue
                 if not msg.messages:
-                    await out.put(InvalidArgument("a turn needs at least one message", "EMPTY_PROMPT"))
+                    await out.put(Reason.EMPTY_PROMPT.error("a turn needs at least one message"))
                     continue
                 if turn_task is not None:
                     await asyncio.gather(turn_task, return_exceptions=True)
@@ -103,7 +103,7 @@ async def run_chat(router: Router, sessions: Sessions, tenant: Tenant,
                 if current_id:
                     router.cancel(tenant, current_id[0])
             elif isinstance(msg, ChatStart):
-                await out.put(InvalidArgument("`start` may only be sent once", "CHAT_ALREADY_STARTED"))
+                await out.put(Reason.CHAT_ALREADY_STARTED.error("`start` may only be sent once"))
         if turn_task is not None:
             await asyncio.gather(turn_task, return_exceptions=True)
         await out.put(_END)

@@ -19,17 +19,10 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
-from services.errors import (
-    Internal,
-    InvalidArgument,
-    NotFound,
-    TokenrelayError,
-    Unavailable,
-)
+from services.errors import Reason, TokenrelayError, in_band_error
 from services.logging import get_logger
 from services.mux import StreamBroken
 from services.tracing import inject, tracer
-from services.wire import engine_error
 
 from .admission import Admission, LeaseKeeper
 from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
@@ -121,7 +114,7 @@ class Router:
             raise
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:  # a consumer closing us after `done` is not a cancellation
-                metrics.failed("cancelled", "CLIENT_CANCELLED")
+                metrics.failed("cancelled", Reason.CLIENT_CANCELLED)
                 log.info("request_cancelled_by_client")
             raise
         finally:
@@ -137,7 +130,7 @@ class Router:
         tenant.resolve_priority(inp.priority)
         request_id = inp.request_id
         if request_id in self._live:
-            raise InvalidArgument(f"request id {request_id!r} is already in flight", "DUPLICATE_REQUEST_ID")
+            raise Reason.DUPLICATE_REQUEST_ID.error(f"request id {request_id!r} is already in flight")
         remaining = (deadline - time.monotonic()) if deadline else self.request_timeout
         with _tracer.start_as_current_span("tokenize", context=rctx):
             ids = await self.prompt_ids(tenant, inp, remaining)
@@ -181,8 +174,8 @@ class Router:
                 out = await detok.next()
                 if isinstance(out, StreamBroken):
                     raise out.error
-                if out.error:
-                    raise Internal(f"detokenizer: {out.error}", "DETOKENIZER_ERROR")
+                if out.error:  # an overload stays UNAVAILABLE (with a retry-after), the rest as registered
+                    raise in_band_error(out.error, "in-band error from the detokenizer", Reason.DETOKENIZER_ERROR)
                 limit = out.tokens_consumed if out.matched_stop else len(generated)
                 new_ids = generated[emitted:limit] if inp.return_token_ids else []
                 emitted = max(emitted, limit)
@@ -230,14 +223,21 @@ class Router:
     async def _pump(self, request_id: str, tenant: Tenant, inp: GenerateInput, ids: list[int],
                     eos: list[int], live: _Live, detok: DetokSession, generated: list[int],
                     usage: Usage, state: _RunState) -> None:
-        """Engine → detokenizer. Retries on another replica if the engine fails before any token."""
+        """Engine → detokenizer. Before any token, a broken stream or an error the registry marks
+        retryable is retried on another replica (`engine_attempts` in all)."""
         tried: set[str] = set()
+        last_error: TokenrelayError | None = None   # of the attempt being retried
         phase = None
         prefilling = False
         try:
             while True:
                 with _tracer.start_as_current_span("route", context=live.trace_ctx) as route_span:
-                    replica = self.engines.pick(inp.session_id, frozenset(tried))
+                    try:
+                        replica = self.engines.pick(inp.session_id, frozenset(tried))
+                    except TokenrelayError:
+                        if last_error is not None:  # no other replica: the client hears why the last one failed
+                            raise last_error from None
+                        raise
                     route_span.set_attribute("tokenrelay.replica", replica.address)
                 live.replica = replica
                 tried.add(replica.address)
@@ -255,10 +255,19 @@ class Router:
                             raise chunk.error
                         self.engines.mark_failed(replica)
                         log.warning("engine_retry", request_id=request_id, failed=replica.address)
+                        last_error = chunk.error
                         break
                     if chunk.error_reason:
-                        state.engine_done = True
-                        raise engine_error(chunk.error_reason, chunk.error_message)
+                        error = in_band_error(chunk.error_reason, chunk.error_message, Reason.ENGINE_ERROR)
+                        if generated or not error.retryable or len(tried) >= self.engine_attempts or live.cancelled:
+                            state.engine_done = True
+                            raise error
+                        # The engine ended this attempt (e.g. OVERLOADED): the replica is healthy, just busy.
+                        replica.release(request_id)
+                        log.warning("engine_retry", request_id=request_id, failed=replica.address,
+                                    reason=error.reason)
+                        last_error = error
+                        break
                     if chunk.cached_tokens:
                         usage.cached_tokens = chunk.cached_tokens
                     generated.extend(chunk.token_ids)
@@ -268,12 +277,12 @@ class Router:
                     detok.send(chunk.token_ids, final=chunk.finished)
                     if chunk.finished:
                         return
-        except (TokenrelayError, Unavailable) as exc:
+        except TokenrelayError as exc:
             detok.fail(exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the request, never swallowed
-            detok.fail(Internal(f"engine pump failed: {exc!r}", "ENGINE_ERROR"))
+            detok.fail(Reason.ENGINE_ERROR.error(f"engine pump failed: {exc!r}"))
         finally:
             if phase is not None:
                 phase.end()
@@ -289,7 +298,7 @@ class Sessions:
         session_id = session_id or uuid.uuid4().hex
         owner = self._owners.setdefault(session_id, tenant.name)
         if owner != tenant.name:
-            raise NotFound("unknown session", "UNKNOWN_SESSION")
+            raise Reason.UNKNOWN_SESSION.error("unknown session")
         return session_id
 
     def drop(self, session_id: str) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.errors import TokenrelayError, Unavailable, from_rpc_error
+from services.errors import Reason, TokenrelayError, from_rpc_error
 from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tracing import inject
 from services.wire import unpack_ids
@@ -134,10 +134,10 @@ class TokenizeCoalescer:
             _fail(batch, from_rpc_error(exc))
             return
         except asyncio.CancelledError:  # the router is closing: nobody waits forever
-            _fail(batch, Unavailable("router is shutting down", "SHUTTING_DOWN"))
+            _fail(batch, Reason.SHUTTING_DOWN.error("router is shutting down"))
             raise
         except Exception as exc:  # noqa: BLE001 - every waiter must hear of it, none may hang
-            _fail(batch, TokenrelayError(f"tokenize call failed: {exc!r}", "TOKENIZER_ERROR"))
+            _fail(batch, Reason.TOKENIZER_ERROR.error(f"tokenize call failed: {exc!r}"))
             return
         for waiting, result in zip(batch, resp.results, strict=True):
             if not waiting.future.done():

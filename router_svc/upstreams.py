@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
-from services.errors import DeadlineExceeded, Unavailable, from_rpc_error
-from services.grpc_util import insecure_channel
+from services.channels import open_channel
+from services.errors import Reason, from_rpc_error
 from services.logging import get_logger
 from services.mux import MuxClient, StreamBroken
 from services.proto.tokenrelay.v1 import (
@@ -28,6 +28,7 @@ from services.proto.tokenrelay.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.security import PLAINTEXT, SecuritySettings
 from services.wire import FINISH_NAMES
 
 from .tokenize_batch import MAX_BYTES, MAX_CALLS, TokenizeCoalescer
@@ -39,7 +40,7 @@ log = get_logger(__name__)
 
 def _rpc(exc: grpc.aio.AioRpcError, what: str) -> Exception:
     err = from_rpc_error(exc)
-    if err.reason in ("UPSTREAM_UNAVAILABLE", "DEADLINE_EXCEEDED"):
+    if err.reason in (Reason.UPSTREAM_UNAVAILABLE, Reason.DEADLINE_EXCEEDED):
         err.message = f"{what}: {err.message}"
     return err
 
@@ -91,11 +92,11 @@ class DetokSession:
 
 class TokenizerUpstream:
     def __init__(self, addresses: list[str], timeout: float, *, max_calls: int = MAX_CALLS,
-                 max_bytes: int = MAX_BYTES) -> None:
+                 max_bytes: int = MAX_BYTES, security: SecuritySettings = PLAINTEXT) -> None:
         if not addresses:
             raise ValueError("at least one tokenizer address is required")
         self._timeout = timeout
-        self._channels = [insecure_channel(a) for a in addresses]
+        self._channels = [open_channel(a, security) for a in addresses]
         self._stubs = [tokenizer_pb2_grpc.TokenizerStub(c) for c in self._channels]
         self._rr = itertools.cycle(range(len(addresses)))
         self._muxes: list[MuxClient[DetokOut]] = [
@@ -129,7 +130,7 @@ class TokenizerUpstream:
         try:
             return await self._batchers[index].tokenize(item, min(filter(None, (timeout, self._timeout))))
         except asyncio.TimeoutError:
-            raise DeadlineExceeded("tokenization did not finish in time", "TOKENIZE_TIMEOUT") from None
+            raise Reason.TOKENIZE_TIMEOUT.error("tokenization did not finish in time") from None
 
     def detokenizer(self, request_id: str) -> DetokSession:
         mux = min(self._muxes, key=lambda m: m.open_requests)
@@ -206,12 +207,13 @@ class EnginePool:
     Prefix-aware scoring is a later issue.
     """
 
-    def __init__(self, addresses: list[str], poll_interval: float, session_capacity: int = 100_000) -> None:
+    def __init__(self, addresses: list[str], poll_interval: float, session_capacity: int = 100_000, *,
+                 security: SecuritySettings = PLAINTEXT) -> None:
         if not addresses:
             raise ValueError("at least one engine address is required")
         self.replicas: list[EngineReplica] = []
         for address in addresses:
-            channel = insecure_channel(address)
+            channel = open_channel(address, security)
             stub = engine_pb2_grpc.EngineStub(channel)
             mux: MuxClient[EngineChunk] = MuxClient(f"engine-{address}", stub.Stream, _engine_build,
                                                     _engine_split)
@@ -260,7 +262,7 @@ class EnginePool:
                 return held
         candidates = [r for r in self.replicas if r.healthy and r.address not in exclude]
         if not candidates:
-            raise Unavailable("no healthy engine replica", "NO_HEALTHY_REPLICA")
+            raise Reason.NO_HEALTHY_REPLICA.error("no healthy engine replica")
         chosen = min(candidates, key=lambda r: (r.in_flight + r.load.queued, r.load.active))
         if session_id:
             self._sessions[session_id] = chosen

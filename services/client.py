@@ -21,23 +21,25 @@ from typing import Any
 
 import grpc
 
+from services.channels import open_channel
 from services.errors import (  # re-exported: callers catch these
     Cancelled,
     DeadlineExceeded,
     InvalidArgument,
     PermissionDenied,
+    Reason,
     ResourceExhausted,
     TokenrelayError,
     Unauthenticated,
     Unavailable,
     from_rpc_error,
 )
-from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.security import PLAINTEXT, SecuritySettings
 from services.wire import FINISH_NAMES
 
 __all__ = ["Accepted", "Cancelled", "ChatSession", "Client", "Completion", "DeadlineExceeded",
-           "Finished", "InvalidArgument", "PermissionDenied", "ResourceExhausted", "Sampling", "TextDelta",
+           "Finished", "InvalidArgument", "PermissionDenied", "Reason", "ResourceExhausted", "Sampling", "TextDelta",
            "TokenrelayError", "Unauthenticated", "Unavailable", "collect"]
 PRIORITIES = {"": common_pb2.PRIORITY_UNSPECIFIED, "low": common_pb2.PRIORITY_LOW,
               "normal": common_pb2.PRIORITY_NORMAL, "high": common_pb2.PRIORITY_HIGH}
@@ -132,7 +134,7 @@ async def collect(events: AsyncIterator[Event]) -> Completion:
             deltas += 1
         else:
             return Completion(request_id, "".join(text), ids, event, deltas)
-    raise TokenrelayError("stream ended without `done`", "INCOMPLETE_STREAM")
+    raise Reason.INCOMPLETE_STREAM.error("stream ended without `done`")
 
 
 def _messages(messages: Sequence[tuple[str, str]] | Sequence[dict[str, str]]) -> list[common_pb2.ChatMessage]:
@@ -144,11 +146,12 @@ def _messages(messages: Sequence[tuple[str, str]] | Sequence[dict[str, str]]) ->
 
 
 class Client:
-    def __init__(self, address: str, api_key: str, *, timeout: float | None = None) -> None:
+    def __init__(self, address: str, api_key: str, *, timeout: float | None = None,
+                 security: SecuritySettings = PLAINTEXT) -> None:
         self.address = address
         self._metadata = (("authorization", f"Bearer {api_key}"),)
         self._timeout = timeout
-        self._channel = insecure_channel(address)
+        self._channel = open_channel(address, security)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
     async def __aenter__(self) -> Client:
@@ -165,7 +168,7 @@ class Client:
                  return_token_ids: bool) -> inference_pb2.GenerateRequest:
         given = sum(x is not None for x in (prompt, messages, token_ids))
         if given != 1:
-            raise InvalidArgument("pass exactly one of prompt, messages, token_ids", "MISSING_INPUT")
+            raise Reason.MISSING_INPUT.error("pass exactly one of prompt, messages, token_ids")
         req = inference_pb2.GenerateRequest(sampling=sampling.to_pb(), priority=PRIORITIES[priority],
                                             session_id=session_id, request_id=request_id,
                                             return_token_ids=return_token_ids)
@@ -237,7 +240,7 @@ class ChatSession:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         if msg is grpc.aio.EOF:
-            raise TokenrelayError("chat stream closed", "STREAM_CLOSED")
+            raise Reason.STREAM_CLOSED.error("chat stream closed")
         return msg
 
     async def __aenter__(self) -> ChatSession:

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from services.errors import TokenrelayError, Unavailable, from_rpc_error
+from services.errors import Reason, TokenrelayError, from_rpc_error
 
 Item = TypeVar("Item")
 
@@ -55,7 +55,7 @@ class MuxClient(Generic[Item]):
     def open(self, request_id: str) -> asyncio.Queue[Item | StreamBroken]:
         """Register a request; its response items arrive on the returned queue."""
         if self._closed:
-            raise Unavailable(f"{self.name} client is closed", "UPSTREAM_UNAVAILABLE")
+            raise Reason.UPSTREAM_UNAVAILABLE.error(f"{self.name} client is closed")
         if self._reader is None or self._reader.done():
             self._start()
         queue: asyncio.Queue[Item | StreamBroken] = asyncio.Queue()
@@ -91,7 +91,7 @@ class MuxClient(Generic[Item]):
                 yield self._build(pending)
 
     async def _read(self, call: Any) -> None:
-        error: TokenrelayError = Unavailable(f"{self.name} stream ended", "UPSTREAM_UNAVAILABLE")
+        error: TokenrelayError = Reason.UPSTREAM_UNAVAILABLE.error(f"{self.name} stream ended")
         try:
             async for response in call:
                 self.messages_received += 1
@@ -102,7 +102,7 @@ class MuxClient(Generic[Item]):
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc)
             if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                error = Unavailable(f"{self.name} stream broke: {exc.details()}", "UPSTREAM_UNAVAILABLE")
+                error = Reason.UPSTREAM_UNAVAILABLE.error(f"{self.name} stream broke: {exc.details()}")
         except asyncio.CancelledError:
             call.cancel()
             raise

@@ -20,7 +20,7 @@ end together, and the cores then wait for the next calls to arrive; one at a tim
 batch is always queued behind the running one.
 
 Pending work is bounded: a job that would take the size of
-queued + running work past `max_pending` is rejected with `Unavailable(..., "OVERLOADED")`
+queued + running work past `max_pending` is rejected with `Reason.OVERLOADED` (UNAVAILABLE)
 instead of growing the queue.
 """
 
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from services.errors import Unavailable
+from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
 
 log = get_logger(__name__)
@@ -102,9 +102,9 @@ class Batcher(Generic[J, R]):
 
     async def submit(self, job: J, size: int = 1) -> R:
         if self._dispatcher is None:
-            raise Unavailable("tokenizer is not running", "SHUTTING_DOWN")
+            raise Reason.SHUTTING_DOWN.error("tokenizer is not running")
         if self._pending + size > self.max_pending:
-            raise Unavailable(f"tokenizer overloaded: {self._pending} inputs pending", "OVERLOADED")
+            raise Reason.OVERLOADED.error(f"tokenizer overloaded: {self._pending} inputs pending")
         entry: _Job[J, R] = _Job(job, size, asyncio.get_running_loop().create_future())
         self._pending += size
         self._queue.put_nowait(entry)
@@ -211,8 +211,8 @@ class Batcher(Generic[J, R]):
                 entry.future.set_result(result)
 
 
-def shutting_down() -> Unavailable:
-    return Unavailable("tokenizer is shutting down", "SHUTTING_DOWN")
+def shutting_down() -> TokenrelayError:
+    return Reason.SHUTTING_DOWN.error("tokenizer is shutting down")
 
 
 def _fail(batch: Sequence[_Job[Any, Any]], error: BaseException) -> None:

@@ -23,7 +23,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from services.errors import InvalidArgument
+from services.errors import Reason
 
 # ChatML (Qwen, many fine-tunes). Assumes <|im_start|>/<|im_end|> exist as added tokens.
 CHATML = (
@@ -110,16 +110,16 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
         if not messages:
-            raise InvalidArgument("chat has no messages", "EMPTY_INPUT")
+            raise Reason.EMPTY_PROMPT.error("chat has no messages")
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(messages=chat, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self._variables)
         except jinja2.TemplateError as exc:
-            raise InvalidArgument(f"chat template {self.name!r}: {exc}", "CHAT_TEMPLATE_ERROR") from exc
+            raise Reason.CHAT_TEMPLATE_ERROR.error(f"chat template {self.name!r}: {exc}") from exc
         except Exception as exc:  # a template is untrusted code; any failure is the input's
-            raise InvalidArgument(f"chat template {self.name!r} failed: {type(exc).__name__}: {exc}",
-                                  "CHAT_TEMPLATE_ERROR") from exc
+            raise Reason.CHAT_TEMPLATE_ERROR.error(
+                f"chat template {self.name!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _raise_exception(message: str) -> None:

@@ -5,11 +5,11 @@ then closes; the result is one list of outputs (at most one per request id, delt
 empty deltas left out unless they finish a request or report an error. A problem with one
 request becomes an `error` on its output and never ends the stream.
 
-Error codes in `Output.error`: UNKNOWN_REQUEST (tokens for an id that is not open),
-DUPLICATE_REQUEST (open for an id already open; the first one carries on), TOO_MANY_REQUESTS
-(the stream's open-request limit), INVALID_TOKEN_ID (an id outside the vocabulary),
-INVALID_STOP (more than MAX_STOPS stop strings, or one longer than MAX_STOP_CHARS),
-INTERNAL (a bug; logged).
+Error codes in `Output.error` (`services.errors.Reason`): UNKNOWN_REQUEST (tokens for an id that
+is not open), DUPLICATE_REQUEST_ID (open for an id already open; the first one carries on),
+OVERLOADED (the stream's open-request limit; the router's client gets UNAVAILABLE and a
+retry-after), INVALID_TOKEN_ID (an id outside the vocabulary), INVALID_STOP (more than MAX_STOPS
+stop strings, or one longer than MAX_STOP_CHARS), INTERNAL (a bug; logged).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from services.errors import Reason
 from services.logging import get_logger
 from services.tracing import extract, tracer
 from tokenizer_svc import metrics
@@ -133,7 +134,7 @@ class DetokStream:
         for item in batch.opens:
             error = self._open(item)
             if error:
-                outputs.append(Output(item.request_id, finished=error != "DUPLICATE_REQUEST", error=error))
+                outputs.append(Output(item.request_id, finished=error != Reason.DUPLICATE_REQUEST_ID, error=error))
         deltas: dict[str, Output] = {}   # one output per request: deltas of repeated items are merged
         for tokens in batch.tokens:
             out = self._tokens(tokens)
@@ -156,14 +157,14 @@ class DetokStream:
 
     def _open(self, item: OpenRequest) -> str:
         if item.request_id in self._requests:
-            return "DUPLICATE_REQUEST"
+            return Reason.DUPLICATE_REQUEST_ID
         if len(self._requests) >= self.max_requests:
-            return "TOO_MANY_REQUESTS"
+            return Reason.OVERLOADED
         if len(item.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in item.stop):
-            return "INVALID_STOP"
+            return Reason.INVALID_STOP
         tail = list(item.prefix_ids[-MAX_CONTEXT_TOKENS:])   # a 32k-id prompt is not copied
         if not self._valid_ids(tail):
-            return "INVALID_TOKEN_ID"
+            return Reason.INVALID_TOKEN_ID
         tok = self.tokenizer
         decoder = IncrementalDecoder(tok.decode, skip_special_tokens=item.skip_special_tokens,
                                      special_ids=tok.special_ids, prefix_ids=tail, token_bytes=tok.token_bytes)
@@ -184,17 +185,17 @@ class DetokStream:
                 if item.final:
                     del self._finished[rid]
                 return None
-            return Output(rid, finished=True, error="UNKNOWN_REQUEST")
+            return Output(rid, finished=True, error=Reason.UNKNOWN_REQUEST)
         if not self._valid_ids(item.token_ids):
             self._requests.pop(rid)
-            req.end("error", "INVALID_TOKEN_ID")
-            return Output(rid, finished=True, tokens_consumed=req.consumed, error="INVALID_TOKEN_ID")
+            req.end("error", Reason.INVALID_TOKEN_ID)
+            return Output(rid, finished=True, tokens_consumed=req.consumed, error=Reason.INVALID_TOKEN_ID)
         before = req.consumed
         try:
             out = _advance(rid, req, item.token_ids, item.final)
         except Exception:  # isolate one request's failure from the stream's others
             log.exception("detokenize_failed", request_id=rid)
-            out = Output(rid, finished=True, tokens_consumed=req.consumed, error="INTERNAL")
+            out = Output(rid, finished=True, tokens_consumed=req.consumed, error=Reason.INTERNAL)
         metrics.DETOK_TOKENS.inc(req.consumed - before)
         if out.finished:
             del self._requests[rid]

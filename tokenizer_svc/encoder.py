@@ -2,7 +2,7 @@
 
 Semantics (documented for clients):
 * A call carries 1..max_batch inputs; an empty call, an input with neither text nor chat, or a
-  chat without messages is `EMPTY_INPUT`. An empty *text* is allowed and encodes to its special
+  chat without messages is `EMPTY_PROMPT`. An empty *text* is allowed and encodes to its special
   tokens only (e.g. just BOS when `add_special_tokens` is set), as the tokenizer itself does.
 * Text: encoded with `add_special_tokens` as given. Chat: rendered with the chat template, then
   encoded with `add_special_tokens=False` (the template writes BOS etc.), as transformers does;
@@ -23,7 +23,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
-from services.errors import InvalidArgument, TokenrelayError, Unavailable
+from services.errors import InvalidArgument, Reason, TokenrelayError
 from services.tracing import tracer
 from tokenizer_svc import metrics
 from tokenizer_svc.batcher import Batcher
@@ -129,25 +129,23 @@ class Encoder:
         the input count alone says little when one input can be 32k tokens."""
         limit = self.limits.max_pending_bytes
         if limit and self.pending_bytes and self.pending_bytes + nbytes > limit:
-            raise Unavailable(f"tokenizer overloaded: {self.pending_bytes} bytes of text queued",
-                              "OVERLOADED", retry_after=1.0)
+            raise Reason.OVERLOADED.error(f"tokenizer overloaded: {self.pending_bytes} bytes of text queued")
         self.pending_bytes += nbytes
 
     def _validate(self, inputs: Sequence[EncodeInput | None]) -> tuple[list[EncodeInput], int]:
         if not inputs:
-            raise InvalidArgument("no inputs", "EMPTY_INPUT")
+            raise Reason.EMPTY_PROMPT.error("no inputs")
         if len(inputs) > self.limits.max_batch:
-            raise InvalidArgument(f"{len(inputs)} inputs in one call; at most {self.limits.max_batch}",
-                                  "BATCH_TOO_LARGE")
+            raise Reason.BATCH_TOO_LARGE.error(f"{len(inputs)} inputs in one call; at most {self.limits.max_batch}")
         checked: list[EncodeInput] = []
         total = 0
         for index, item in enumerate(inputs):
             if item is None:
-                raise InvalidArgument(f"input {index} has neither text nor chat", "EMPTY_INPUT")
+                raise Reason.EMPTY_PROMPT.error(f"input {index} has neither text nor chat")
             size = self._input_bytes(index, item)
             if size > self.limits.max_input_bytes:
-                raise InvalidArgument(f"input {index} is {size} bytes; at most {self.limits.max_input_bytes}",
-                                      "INPUT_TOO_LARGE")
+                raise Reason.INPUT_TOO_LARGE.error(
+                    f"input {index} is {size} bytes; at most {self.limits.max_input_bytes}")
             checked.append(item)
             total += size
         return checked, total
@@ -156,10 +154,10 @@ class Encoder:
         if isinstance(item, TextInput):
             return _utf8_len(item.text)
         if not item.messages:
-            raise InvalidArgument(f"input {index}: chat has no messages", "EMPTY_INPUT")
+            raise Reason.EMPTY_PROMPT.error(f"input {index}: chat has no messages")
         if self.template is None:
-            raise InvalidArgument("this model has no chat template (start the tokenizer with "
-                                  "--chat-template)", "NO_CHAT_TEMPLATE")
+            raise Reason.NO_CHAT_TEMPLATE.error("this model has no chat template (start the tokenizer with "
+                                                "--chat-template)")
         return sum(_utf8_len(m.get("content") or "") + _utf8_len(m.get("role") or "") for m in item.messages)
 
     # ------------------------------------------------------------------ worker thread
@@ -243,12 +241,11 @@ class Encoder:
             return self.template.render(item.messages, item.add_generation_prompt), False
         return item.text, item.add_special_tokens
 
-    def _check(self, ids: list[list[int]]) -> InvalidArgument | None:
+    def _check(self, ids: list[list[int]]) -> TokenrelayError | None:
         limit = self.limits.max_input_tokens
         for index, seq in enumerate(ids):
             if limit and len(seq) > limit:
-                return InvalidArgument(f"input {index} is {len(seq)} tokens; at most {limit}",
-                                       "PROMPT_TOO_LONG")
+                return Reason.PROMPT_TOO_LONG.error(f"input {index} is {len(seq)} tokens; at most {limit}")
         return None
 
 

@@ -5,7 +5,7 @@
 | `tokenize_seconds` | histogram | | Tokenize call, validation to result (queueing included) |
 | `tokenize_inputs_total` | counter | `kind` (text, chat) | inputs of accepted calls |
 | `tokenize_tokens_total` | counter | | ids produced |
-| `tokenize_rejections_total` | counter | `reason` | refused calls (EMPTY_INPUT, PROMPT_TOO_LONG, OVERLOADED, ...) |
+| `tokenize_rejections_total` | counter | `reason` | refused calls (EMPTY_PROMPT, PROMPT_TOO_LONG, OVERLOADED, ...) |
 | `tokenize_batch_inputs` | histogram | | inputs per encode_batch run (how much batching happens) |
 | `chat_reused_tokens_total` | counter | | chat tokens reused from the session's previous turn instead of re-tokenized |
 | `chat_cache_fallbacks_total` | counter | | incremental chat tokenizations that fell back to the whole text |

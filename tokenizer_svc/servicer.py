@@ -53,7 +53,7 @@ def _input(item: tokenizer_pb2.TokenizeInput) -> EncodeInput | None:
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in item.chat.messages]
         return ChatInput(messages, item.chat.add_generation_prompt, item.chat.cache_key)
-    return None   # the encoder rejects it as EMPTY_INPUT
+    return None   # the encoder rejects it as EMPTY_PROMPT
 
 
 def _tokenize_response(ids: list[list[int]]) -> tokenizer_pb2.TokenizeResponse:

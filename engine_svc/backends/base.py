@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.errors import InvalidArgument
+from services.errors import Reason
 
 
 class FinishReason(enum.Enum):
@@ -168,19 +168,17 @@ class Backend(ABC):
         """Checks every backend shares; `submit` callers run it first."""
         n = len(request.prompt_token_ids)
         if n == 0:
-            raise InvalidArgument("prompt is empty", "EMPTY_PROMPT")
+            raise Reason.EMPTY_PROMPT.error("prompt is empty")
         if request.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be at least 1", "INVALID_MAX_TOKENS")
+            raise Reason.INVALID_MAX_TOKENS.error("max_tokens must be at least 1")
         if self.max_context and n + request.max_tokens > self.max_context:
-            raise InvalidArgument(
+            raise Reason.CONTEXT_LENGTH_EXCEEDED.error(
                 f"prompt ({n}) + max_tokens ({request.max_tokens}) exceeds the model context "
-                f"({self.max_context})", "CONTEXT_LENGTH_EXCEEDED")
+                f"({self.max_context})")
         if self.vocab_size and max(request.prompt_token_ids) >= self.vocab_size:
-            raise InvalidArgument(f"prompt token id beyond the vocabulary ({self.vocab_size})",
-                                  "INVALID_TOKEN_ID")
+            raise Reason.INVALID_TOKEN_ID.error(f"prompt token id beyond the vocabulary ({self.vocab_size})")
         if request.temperature < 0 or not 0 <= request.top_p <= 1 or request.top_k < 0:
-            raise InvalidArgument("temperature must be >= 0, top_p in [0, 1], top_k >= 0",
-                                  "INVALID_SAMPLING")
+            raise Reason.INVALID_SAMPLING.error("temperature must be >= 0, top_p in [0, 1], top_k >= 0")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """One request as an async iterator; closing or cancelling the consumer aborts it."""

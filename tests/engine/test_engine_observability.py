@@ -32,7 +32,8 @@ from engine_svc.backends.base import FinishReason, GenerationEvent
 from engine_svc.backends.sim import SimBackend, SimConfig
 from engine_svc.config import EngineSettings
 from engine_svc.metrics import LoadCollector
-from services.grpc_util import insecure_channel, wait_healthy
+from services.channels import open_channel
+from services.grpc_util import wait_healthy
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
 from services.tracing import configure_tracing, inject
 from services.wire import FINISH_NAMES
@@ -245,8 +246,8 @@ async def test_load_gauges_follow_the_engine_and_overload_is_counted(serve, metr
     assert delta(busy, before, P + "kv_blocks_used") == load.kv_blocks_used
     assert delta(busy, before, P + "kv_blocks_free") == load.kv_blocks_total - load.kv_blocks_used
     assert busy.get(P + "info", backend="sim", model=load.model) == 1
-    assert delta(busy, before, P + "rejections_total", reason="ENGINE_OVERLOADED") == 2
-    assert client.last("over-1").error_reason == "ENGINE_OVERLOADED"
+    assert delta(busy, before, P + "rejections_total", reason="OVERLOADED") == 2
+    assert client.last("over-1").error_reason == "OVERLOADED"
 
     client.abort("r0", "r1", "r2")
     await client.wait("r0", "r1", "r2")
@@ -383,7 +384,7 @@ async def test_engine_process_serves_metrics_and_writes_spans(tmp_path: pathlib.
         metrics_port = int(metrics_file.read_text())  # written before the server's port file
         address = f"127.0.0.1:{int(port)}"
         await wait_healthy(address, timeout=10)
-        async with insecure_channel(address) as channel:
+        async with open_channel(address) as channel:
             client = StreamClient(engine_pb2_grpc.EngineStub(channel))
             requests = [engine_request("p1", [1, 2, 3], 20), engine_request("p2", [4, 5], 9)]
             parents = {r.request_id: traced(r, f"router.{r.request_id}") for r in requests}

@@ -202,7 +202,7 @@ async def test_engine_facade_rejects_duplicates_and_overload(make_sim) -> None:
         assert dup.value.reason == "DUPLICATE_REQUEST_ID"
         with pytest.raises(Exception) as over:
             engine.submit(req("d", [1], 5), sink)
-        assert getattr(over.value, "reason", "") == "ENGINE_OVERLOADED"
+        assert getattr(over.value, "reason", "") == "OVERLOADED"
         assert engine.abort(["a", "zzz"]) == 1
         engine.submit(req("d", [1], 5), sink)  # room again (it waits for a batch slot)
         assert engine.abort(["b", "c"]) == 2

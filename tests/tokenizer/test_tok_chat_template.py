@@ -8,9 +8,10 @@ import pathlib
 from typing import Any
 
 import pytest
-from tok_artefacts import CHATML_TEMPLATE, LLAMA2_TEMPLATE, build_bytelevel, shared_path
+from tok_artefacts import CHATML_TEMPLATE, LLAMA2_TEMPLATE, build_bytelevel
 
 from services.errors import InvalidArgument
+from tests import artefacts
 from tokenizer_svc.chat_template import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateNotFound, resolve_template
 from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 
@@ -65,7 +66,8 @@ def test_equal_to_transformers_on_tiny_tokenizers(name: str, tiny_dirs: dict[str
 
 
 def test_equal_to_transformers_llama2_real_tokenizer(tmp_path: pathlib.Path) -> None:
-    directory = model_dir(tmp_path, shared_path("tokenizers", "llama2", "tokenizer.json"), LLAMA2_TEMPLATE,
+    # Llama 2's own tokenizer, else Mistral v1's (the same SentencePiece layout and <s> </s> <unk>).
+    directory = model_dir(tmp_path, artefacts.tokenizer_json("llama-style"), LLAMA2_TEMPLATE,
                           bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tok, template = load_with_template(directory)
     for chat in CHATS:
@@ -73,8 +75,10 @@ def test_equal_to_transformers_llama2_real_tokenizer(tmp_path: pathlib.Path) -> 
 
 
 def test_equal_to_transformers_chatml_on_gpt2(tmp_path: pathlib.Path) -> None:
-    directory = model_dir(tmp_path, shared_path("tokenizers", "gpt2", "tokenizer.json"), CHATML_TEMPLATE,
-                          eos_token="<|endoftext|>")
+    # GPT-2's byte-level BPE, else Mistral NeMo's (tekken): ChatML's markers are plain text to both.
+    name, found = artefacts.resolve("real-bytelevel")
+    directory = model_dir(tmp_path, found / "tokenizer.json", CHATML_TEMPLATE,
+                          eos_token="<|endoftext|>" if name == "gpt2" else "</s>")
     tok, template = load_with_template(directory)
     for chat in CHATS:
         for gen in (True, False):
@@ -141,4 +145,4 @@ def test_template_helpers() -> None:
 def test_empty_chat_is_rejected() -> None:
     with pytest.raises(InvalidArgument) as info:
         ChatTemplate(CHATML_TEMPLATE).render([], add_generation_prompt=True)
-    assert info.value.reason == "EMPTY_INPUT"
+    assert info.value.reason == "EMPTY_PROMPT"

@@ -68,8 +68,8 @@ def test_unknown_duplicate_and_invalid(tiny_sp: LoadedTokenizer) -> None:
     outs = stream.apply(StreamBatch(opens=[OpenRequest("a"), OpenRequest("a")],
                                     tokens=[TokenBatch("nope", ids), TokenBatch("a", ids)]))
     by_error = {(o.request_id, o.error): o for o in outs}
-    assert set(by_error) == {("a", "DUPLICATE_REQUEST"), ("nope", "UNKNOWN_REQUEST"), ("a", "")}
-    assert not by_error[("a", "DUPLICATE_REQUEST")].finished   # the first "a" carries on
+    assert set(by_error) == {("a", "DUPLICATE_REQUEST_ID"), ("nope", "UNKNOWN_REQUEST"), ("a", "")}
+    assert not by_error[("a", "DUPLICATE_REQUEST_ID")].finished   # the first "a" carries on
     assert by_error[("nope", "UNKNOWN_REQUEST")].finished
     assert by_error[("a", "")].text == "Hello"
     outs = stream.apply(StreamBatch(tokens=[TokenBatch("a", [tiny_sp.vocab_size + 5])]))
@@ -99,7 +99,7 @@ def test_close_drops_state_without_output(tiny_sp: LoadedTokenizer) -> None:
 def test_open_request_limit(tiny_sp: LoadedTokenizer) -> None:
     stream = DetokStream(tiny_sp, max_requests=2)
     outs = stream.apply(StreamBatch(opens=[OpenRequest(str(i)) for i in range(3)]))
-    assert [(o.request_id, o.error) for o in outs] == [("2", "TOO_MANY_REQUESTS")]
+    assert [(o.request_id, o.error) for o in outs] == [("2", "OVERLOADED")]
     stream.apply(StreamBatch(closes=["0"]))
     assert stream.apply(StreamBatch(opens=[OpenRequest("2")])) == []
 

@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tok_artefacts import SAMPLES, TEXT, build_bytelevel
 
+from services.channels import open_channel
 from services.errors import from_rpc_error
-from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.wire import unpack_ids
 from tokenizer_svc.app import TokenizerApp
@@ -32,7 +32,7 @@ async def running(directory: pathlib.Path, **overrides: Any) -> AsyncIterator[tu
     app = TokenizerApp(settings)
     await app.start()
     try:
-        async with insecure_channel(app.address) as channel:
+        async with open_channel(app.address) as channel:
             yield app, tokenizer_pb2_grpc.TokenizerStub(channel)
     finally:
         await app.stop()
@@ -64,7 +64,7 @@ async def test_info_and_health(tiny_dirs: dict[str, pathlib.Path]) -> None:
         assert info.HasField("bos_token_id") and info.bos_token_id == 1
         assert info.max_context == 4096 and info.has_chat_template
         assert list(info.special_token_ids) == [0, 1, 2]
-        async with insecure_channel(app.address) as channel:
+        async with open_channel(app.address) as channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="tokenrelay.v1.Tokenizer"))
         assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -124,9 +124,9 @@ async def test_limits_and_input_errors(tiny_dirs: dict[str, pathlib.Path]) -> No
     async with running(tiny_dirs["tiny-sentencepiece"], max_input_bytes=1000, max_input_tokens=50,
                        max_batch=4) as (_, stub):
         invalid = grpc.StatusCode.INVALID_ARGUMENT
-        await expect_error(stub.Tokenize(pb.TokenizeRequest()), invalid, "EMPTY_INPUT")
-        await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[pb.TokenizeInput()])), invalid, "EMPTY_INPUT")
-        await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[chat_input([])])), invalid, "EMPTY_INPUT")
+        await expect_error(stub.Tokenize(pb.TokenizeRequest()), invalid, "EMPTY_PROMPT")
+        await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[pb.TokenizeInput()])), invalid, "EMPTY_PROMPT")
+        await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[chat_input([])])), invalid, "EMPTY_PROMPT")
         await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[text_input("é" * 501)])), invalid,
                            "INPUT_TOO_LARGE")
         await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[text_input("ok"), text_input("word " * 60)])),

@@ -14,7 +14,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from services.grpc_util import insecure_channel
+from services.channels import open_channel
 from services.proto.tokenrelay.v1 import common_pb2, tokenizer_pb2_grpc
 from services.proto.tokenrelay.v1 import tokenizer_pb2 as pb
 from services.tracing import configure_tracing, inject
@@ -49,7 +49,7 @@ async def test_spans_follow_the_callers_context(tiny_dirs: dict[str, pathlib.Pat
     await app.start()
     tracer = trace.get_tracer("test")
     try:
-        async with insecure_channel(app.address) as channel:
+        async with open_channel(app.address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             with tracer.start_as_current_span("client-tokenize") as client:
                 await stub.Tokenize(pb.TokenizeRequest(inputs=[pb.TokenizeInput(text="hi")]),
@@ -91,7 +91,7 @@ async def test_metrics_count_calls_tokens_and_outcomes(tiny_dirs: dict[str, path
     before = {
         "text": sample("tokenrelay_tokenizer_tokenize_inputs_total", kind="text"),
         "chat": sample("tokenrelay_tokenizer_tokenize_inputs_total", kind="chat"),
-        "empty": sample("tokenrelay_tokenizer_tokenize_rejections_total", reason="EMPTY_INPUT"),
+        "empty": sample("tokenrelay_tokenizer_tokenize_rejections_total", reason="EMPTY_PROMPT"),
         "tokens": sample("tokenrelay_tokenizer_tokenize_tokens_total"),
         "detok": sample("tokenrelay_tokenizer_detok_tokens_total"),
         "closed": sample("tokenrelay_tokenizer_detok_requests_total", outcome="closed"),
@@ -100,7 +100,7 @@ async def test_metrics_count_calls_tokens_and_outcomes(tiny_dirs: dict[str, path
     app = TokenizerApp(TokenizerSettings(tokenizer=str(tiny_dirs["tiny-sentencepiece"]), port=0, workers=1))
     await app.start()
     try:
-        async with insecure_channel(app.address) as channel:
+        async with open_channel(app.address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             chat = pb.TokenizeInput(chat=pb.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content="x")]))
             resp = await stub.Tokenize(pb.TokenizeRequest(inputs=[pb.TokenizeInput(text="a b"), chat]))
@@ -119,7 +119,7 @@ async def test_metrics_count_calls_tokens_and_outcomes(tiny_dirs: dict[str, path
         await app.stop()
     assert sample("tokenrelay_tokenizer_tokenize_inputs_total", kind="text") == before["text"] + 1
     assert sample("tokenrelay_tokenizer_tokenize_inputs_total", kind="chat") == before["chat"] + 1
-    assert sample("tokenrelay_tokenizer_tokenize_rejections_total", reason="EMPTY_INPUT") == before["empty"] + 1
+    assert sample("tokenrelay_tokenizer_tokenize_rejections_total", reason="EMPTY_PROMPT") == before["empty"] + 1
     assert sample("tokenrelay_tokenizer_tokenize_tokens_total") == before["tokens"] + sum(
         len(r.ids) for r in resp.results)
     assert sample("tokenrelay_tokenizer_detok_tokens_total") == before["detok"] + 3
