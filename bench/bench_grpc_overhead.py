@@ -5,6 +5,9 @@ An echo server runs in a child process pinned to the last core; the client (2 co
 as the router's coalescer keeps 2 calls in flight) on the first. The figure is the server process's
 CPU time divided by the messages it answered.
 
+It measures bare grpcio on purpose, so it opens its channel and port with grpc directly instead
+of through `services.channels` (the one exception tests/test_channels.py allows).
+
     python bench/bench_grpc_overhead.py [--request-bytes 72000] [--response-bytes 64000] [--seconds 4]
 """
 

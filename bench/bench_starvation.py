@@ -43,8 +43,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from engine_svc.backends.sim import SimConfig
-from services.client import Accepted, Client, Finished, TextDelta, TokenrelayError
-from services.grpc_util import insecure_channel
+from services.channels import open_channel
+from services.client import Accepted, Client, Finished, Reason, TextDelta, TokenrelayError
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
 from tokenrelay_tools.cli.launcher import Mesh, MeshOptions
 
@@ -186,7 +186,7 @@ class MeshSystem(System):
         self._poller = asyncio.create_task(self._poll(), name="engine-load-poller")
 
     async def _poll(self) -> None:
-        async with insecure_channel(self.addresses["engine"]) as channel:
+        async with open_channel(self.addresses["engine"]) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             tick = time.monotonic()
             while True:
@@ -261,7 +261,7 @@ async def one_request(client: Client, prompt: str, rec: Record, at: float, args:
     except TokenrelayError as exc:
         rec.error, rec.error_message = exc.reason, exc.message
     except asyncio.CancelledError:
-        rec.error = "DRAIN_TIMEOUT"
+        rec.error = Reason.BENCH_DRAIN_TIMEOUT
         raise
     finally:
         rec.ended = time.monotonic()
@@ -416,7 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-prompt-tokens", type=int, default=8192)
     p.add_argument("--max-prompt-tokens", type=int, default=32768)
     p.add_argument("--max-tokens", type=int, default=64, help="completion tokens per request")
-    p.add_argument("--prefill-us", type=float, default=SimConfig.prefill_time_per_token * 1e6,
+    p.add_argument("--prefill-us", type=float, default=SimConfig().prefill_time_per_token * 1e6,
                    help="sim prefill cost, microseconds per prompt token (both systems)")
     p.add_argument("--tokenizer-workers", type=int, default=1, help="encode threads per tokenizer replica")
     p.add_argument("--sample-interval", type=float, default=0.01, help="engine load sampling period (s)")

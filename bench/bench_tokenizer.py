@@ -43,7 +43,8 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from router_svc.tokenize_batch import MAX_CALLS  # noqa: E402
 from router_svc.upstreams import TokenizerUpstream  # noqa: E402
-from services.grpc_util import insecure_channel, wait_healthy  # noqa: E402
+from services.channels import open_channel  # noqa: E402
+from services.grpc_util import wait_healthy  # noqa: E402
 from services.proto.tokenrelay.v1 import tokenizer_pb2 as pb  # noqa: E402
 from services.proto.tokenrelay.v1 import tokenizer_pb2_grpc  # noqa: E402
 
@@ -333,7 +334,7 @@ class Service:
             await asyncio.sleep(0.05)
         self.address = f"127.0.0.1:{int(self.port_file.read_text())}"
         await wait_healthy(self.address, timeout=30)
-        self.channel = insecure_channel(self.address)
+        self.channel = open_channel(self.address)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
 
     async def stop(self) -> None:

@@ -30,6 +30,10 @@ IN_FLIGHT = Gauge("tokenrelay_router_in_flight", "Requests being served by this 
 QUEUED = Gauge("tokenrelay_router_queued", "Requests of this router waiting for admission", ["tenant"])
 TOKENS = Counter("tokenrelay_router_tokens_total", "Tokens by kind (prompt, cached, completion)",
                  ["tenant", "kind"])
+TENANTS_RELOADS = Counter("tokenrelay_router_tenants_reloads_total",
+                          "Reloads of the tenants file by outcome (ok = swapped in, failed = old kept)",
+                          ["outcome"])
+TENANTS = Gauge("tokenrelay_router_tenants", "Tenants in the registry being served")
 
 
 class RequestMetrics:

@@ -12,7 +12,7 @@ from services.wire import FINISH_CODES
 
 from .chat import ChatCancel, ChatIn, ChatStart, ChatStarted, ChatTurn, run_chat
 from .pipeline import Router, Sessions
-from .tenants import Tenant, TenantRegistry, api_key_from_metadata
+from .tenants import Authenticator, Tenant, api_key_from_metadata
 from .types import Accepted, Delta, Done, Event, GenerateInput, Sampling
 
 
@@ -70,7 +70,7 @@ async def _chat_in(requests: AsyncIterator[inference_pb2.ChatRequest]) -> AsyncI
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, router: Router, tenants: TenantRegistry) -> None:
+    def __init__(self, router: Router, tenants: Authenticator) -> None:
         self.router = router
         self.tenants = tenants
         self.sessions = Sessions()

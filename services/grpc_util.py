@@ -17,27 +17,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.errors import TokenrelayError
+from services.channels import SERVER_OPTIONS, bind_port, open_channel
+from services.errors import REASON_KEY, Reason, TokenrelayError
 from services.logging import get_logger
+from services.security import PLAINTEXT, SecuritySettings
 
 log = get_logger(__name__)
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.so_reuseport", 0),
-]
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
@@ -45,7 +30,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
         context.set_trailing_metadata(exc.trailing_metadata())
         await context.abort(exc.code, exc.message)
     log.exception("unhandled_error", method=method, exc_info=exc)
-    context.set_trailing_metadata((("tokenrelay-reason", "INTERNAL"),))
+    context.set_trailing_metadata(((REASON_KEY, str(Reason.INTERNAL)),))
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
@@ -91,25 +76,25 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """A grpc.aio server with health + reflection, bound to host:port (0 = ephemeral).
+    """A grpc.aio server with health + reflection, bound to host:port (0 = ephemeral) and secured as
+    `security` says (`services.channels.bind_port`).
 
     Lifecycle: `start()` binds and marks SERVING; `stop(grace)` marks NOT_SERVING first so load
     balancers drain, then lets in-flight calls finish for `grace` seconds.
     """
 
     def __init__(self, host: str, port: int, service_names: Iterable[str],
-                 interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *,
+                 security: SecuritySettings = PLAINTEXT) -> None:
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors],
-                                      options=SERVER_OPTIONS)
+                                      options=list(SERVER_OPTIONS))
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = list(service_names)
         reflection.enable_server_reflection(
             [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.host = host
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"could not bind {host}:{port}")
+        self.port = bind_port(self.server, f"{host}:{port}", security)
 
     @property
     def address(self) -> str:
@@ -141,14 +126,11 @@ async def wait_for_shutdown_signal() -> None:
     await stop.wait()
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-
-
-async def wait_healthy(address: str, timeout: float, service: str = "") -> None:
+async def wait_healthy(address: str, timeout: float, service: str = "", *,
+                       security: SecuritySettings = PLAINTEXT) -> None:
     """Poll the standard health service until SERVING (used by the launcher and tests)."""
     deadline = asyncio.get_running_loop().time() + timeout
-    async with insecure_channel(address) as channel:
+    async with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

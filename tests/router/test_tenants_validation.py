@@ -75,7 +75,7 @@ def test_validation_reasons(inp, reason):
 
 
 def test_length_checks():
-    tenant = Tenant("a", "0" * 64, max_prompt_tokens=10)
+    tenant = Tenant(name="a", api_key_sha256="0" * 64, max_prompt_tokens=10)
     check_lengths([1, 2, 3], Sampling(max_tokens=5), tenant, 16)
     cases = [([1] * 11, 1, 100, "PROMPT_TOO_LONG"), ([1] * 8, 9, 16, "CONTEXT_LENGTH_EXCEEDED"),
              ([1] * 8, 1, 8, "PROMPT_TOO_LONG"), ([], 1, 16, "EMPTY_PROMPT")]
