@@ -208,11 +208,12 @@ def engine_args_for(model: pathlib.Path, engine: str) -> list[str]:
 
     tokenizer = model / "tokenizer.json" if model.is_dir() else model
     args = ["--sim-vocab-size", str(Tokenizer.from_file(str(tokenizer)).get_vocab_size())]
-    config = model / "config.json"
-    if config.exists():
-        context = json.loads(config.read_text()).get("max_position_embeddings")
-        if context:
-            args += ["--sim-max-context", str(context)]
+    # The model's context, else the tokenizer's (a tokenizer-only directory, as `up --engine sim` makes).
+    for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
+        path = model / name
+        context = json.loads(path.read_text()).get(key) if path.exists() else None
+        if isinstance(context, int) and 0 < context < 10_000_000:  # transformers writes 1e30 for "unknown"
+            return [*args, "--sim-max-context", str(context)]
     return args
 
 

