@@ -66,16 +66,16 @@ async def test_engine_bench_reports_every_request_with_exact_token_counts(engine
 
 
 async def test_an_overloaded_engine_shows_up_as_errors_by_status_and_reason(engine, tmp_path: pathlib.Path) -> None:
-    # Room for one request and no queue: concurrent sessions are rejected with ENGINE_OVERLOADED.
+    # Room for one request and no queue: concurrent sessions are rejected with OVERLOADED.
     address = await engine("--sim-max-batch-size", "1", "--max-queued", "0", "--sim-decode-step-time", "0.01")
     out = tmp_path / "report.json"
     args = bench_args("--workload", "burst", "--target", "engine", "--engine-address", address, "--vocab-size", "512",
                  "--concurrency", "4", "--requests", "16", "--length-scale", "0.1", "--json", str(out),
-                 "--no-progress")
+                 "--no-progress", "--min-success", "0")  # mostly errors, on purpose: no exit 1 for that here
     assert await run_bench(args) == 0
     summary = json.loads(out.read_text())["runs"]["engine"]["summary"]
     assert summary["requests"] == 16 and summary["ok"] >= 1
-    assert summary["errors"] == summary["errors_by_reason"].get("UNAVAILABLE/ENGINE_OVERLOADED", 0) > 0
+    assert summary["errors"] == summary["errors_by_reason"].get("UNAVAILABLE/OVERLOADED", 0) > 0
     assert summary["ok"] + summary["errors"] == 16
 
 

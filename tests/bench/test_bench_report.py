@@ -7,7 +7,16 @@ import random
 import numpy as np
 import pytest
 
-from tokenrelay_tools.bench.report import Slo, build_report, dist_stats, format_comparison, format_report, group_stats
+from tokenrelay_tools.bench.report import (
+    Slo,
+    build_report,
+    dist_stats,
+    failure_reasons,
+    format_comparison,
+    format_report,
+    group_stats,
+    success_shortfall,
+)
 from tokenrelay_tools.bench.runner import RequestRecord, RunResult, _Timing, matched_plan
 from tokenrelay_tools.bench.targets import TurnResult
 from tokenrelay_tools.bench.workload import SessionPlan, TurnPlan
@@ -128,3 +137,38 @@ def test_matched_plan_replays_the_prompt_growth_another_target_saw() -> None:
     # Turn 0: 70 prompt tokens over a 20-token system prompt; turn 1: 150 - (70 + 10) new tokens.
     assert [(t.prompt_tokens, t.output_tokens) for t in m.turns] == [(50, 10), (70, 12)]
     assert m.turns[1].think_time == 0.5  # the third turn was never sent, so it is dropped
+
+
+def _mixed(ok: int, failures: dict[tuple[str, str], int]) -> dict:
+    recs = [_rec(i, "a") for i in range(ok)]
+    for (status, reason), n in failures.items():
+        recs += [_rec(len(recs), "a", ok=False, status=status, reason=reason) for _ in range(n)]
+    return build_report(_run(recs))
+
+
+def test_the_success_check_names_the_top_failure_reasons_with_their_counts() -> None:
+    report = _mixed(0, {("RESOURCE_EXHAUSTED", "TENANT_CONCURRENCY_LIMIT"): 30,
+                        ("CANCELLED", "BENCH_DRAIN_TIMEOUT"): 16})
+    assert success_shortfall(report) == ("0 of 46 requests succeeded "
+                                         "(30 TENANT_CONCURRENCY_LIMIT, 16 BENCH_DRAIN_TIMEOUT)")
+    # The full table is printed whatever the check says.
+    text = format_report(report)
+    assert "RESOURCE_EXHAUSTED/TENANT_CONCURRENCY_LIMIT: 30" in text and "CANCELLED/BENCH_DRAIN_TIMEOUT: 16" in text
+
+
+def test_the_success_check_passes_at_the_threshold_and_fails_below_it() -> None:
+    half = _mixed(5, {("UNAVAILABLE", "ENGINE_OVERLOADED"): 5})
+    assert success_shortfall(half) is None                        # 50% meets the default 50%
+    assert success_shortfall(half, 0.6) == "5 of 10 requests succeeded (5 ENGINE_OVERLOADED)"
+    assert success_shortfall(_mixed(0, {("UNKNOWN", ""): 1}), 0.0) is None   # 0 turns the share check off
+    assert success_shortfall(_mixed(0, {}), 0.0) == "no request was issued (stopped by -)"
+
+
+def test_the_success_check_keeps_to_three_reasons_and_counts_the_rest() -> None:
+    report = _mixed(1, {("A", "R1"): 4, ("B", "R2"): 3, ("C", "R3"): 2, ("D", "R4"): 1, ("UNAVAILABLE", ""): 1})
+    assert success_shortfall(report) == "1 of 12 requests succeeded (4 R1, 3 R2, 2 R3, 2 other)"
+    assert failure_reasons(report["summary"])[-1] == ("UNAVAILABLE", 1)  # no reason: its status stands in
+
+
+def test_a_run_without_errors_says_so() -> None:
+    assert "errors: none" in format_report(build_report(_run([_rec(0, "a")])))

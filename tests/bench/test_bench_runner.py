@@ -126,3 +126,20 @@ async def test_a_replay_sends_exactly_the_requests_of_the_earlier_run() -> None:
     # Sessions keep their arrival slots: the replayed run starts them at (nearly) the same offsets.
     starts = {r.session: r.start for r in first.records if r.turn == 0}
     assert all(abs(r.start - starts[r.session]) < 0.1 for r in second.records if r.turn == 0)
+
+
+async def test_failed_requests_record_when_they_failed_and_the_wall_covers_the_drain() -> None:
+    # A refusal fails at once; a request cut off by the drain fails drain_timeout later: the run's
+    # wall time (and so the throughput chart) must reach that failure, not stop at the last success.
+    def fail(plan, i):
+        return ResourceExhausted("busy", "TENANT_CONCURRENCY_LIMIT") if plan.index == 1 else None
+
+    target = FakeTarget(FakeBehaviour(hang=lambda plan, i: plan.index == 2, fail=fail))
+    result = await Runner(target, _closed(3), RunConfig(duration=None, requests=3, drain_timeout=0.2)).run()
+    by_session = {r.session: r for r in result.records}
+    assert by_session[1].reason == "TENANT_CONCURRENCY_LIMIT" and by_session[2].reason == "BENCH_DRAIN_TIMEOUT"
+    assert all(r.end is not None and r.end >= r.start for r in result.records)
+    assert result.stopped_by == "requests" and result.stopped_at is not None
+    assert by_session[2].end >= result.stopped_at + 0.2 - 0.02
+    assert result.wall == max(r.end for r in result.records) and result.wall >= 0.18
+    assert result.wall > by_session[0].end

@@ -26,17 +26,46 @@ from tokenrelay_tools.cli.launcher import DEFAULT_STATE
 
 from .plot import PlotUnavailable, require_matplotlib, write_plots
 from .progress import Progress
-from .report import Slo, build_report, comparison_rows, format_comparison, format_report
+from .report import (
+    DEFAULT_MIN_SUCCESS,
+    Slo,
+    build_report,
+    comparison_rows,
+    format_comparison,
+    format_report,
+    overloaded,
+    success_shortfall,
+)
 from .runner import RunConfig, Runner, RunResult, records_by_session
 from .targets import EngineTarget, MeshTarget, Target
 from .workload import Workload, WorkloadError, available_workloads, load_workload
+
+EXIT_STATUSES = f"""exit status:
+  0    every run finished and at least --min-success of its requests succeeded
+  1    a run had fewer successes than --min-success (default {DEFAULT_MIN_SUCCESS:.0%}) or issued no request,
+       a target could not be reached, or an output file could not be written; the last line on
+       stderr says which (the report, with its table of failure reasons, is still printed)
+  2    bad flags, an unknown workload, no mesh found or matplotlib missing for --plot
+  130  aborted by a second Ctrl-C"""
+
+
+def _share(text: str) -> float:
+    """`--min-success`: a share (0.5) or a percentage (50%), from 0 to 1."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share (0.5) or a percentage (50%)") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 0 and 1 (0% and 100%)")
+    return value
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench", help="load-test the mesh (or one engine): TTFT, ITL, p99, goodput per tenant and priority",
-        description="Drive the mesh or an engine with a workload and report latency percentiles, "
-                    "throughput, errors and goodput. Every run is bounded by --duration and/or --requests.")
+        description="Drive the mesh or an engine with a workload and report latency percentiles,\n"
+                    "throughput, errors and goodput. Every run is bounded by --duration and/or --requests.",
+        epilog=EXIT_STATUSES, formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="chat-multiturn",
                    help="a named workload (see --list-workloads), a YAML/JSON file, or a JSONL trace")
@@ -75,6 +104,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--slo-itl", type=float, default=None,
                    help="goodput SLO: a request's mean inter-token latency (TPOT), seconds")
     r.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO: end-to-end latency, seconds")
+    r.add_argument("--min-success", type=_share, default=DEFAULT_MIN_SUCCESS, metavar="SHARE",
+                   help=("exit 1, saying why, when fewer than this share of a run's requests succeed "
+                         f"(0.5 or 50%; default {DEFAULT_MIN_SUCCESS:.0%}; 0 = only when no request was issued)"
+                         ).replace("%", "%%"))  # argparse %-formats help
     r.add_argument("--request-timeout", type=float, default=60.0, help="per-request deadline, seconds")
     r.add_argument("--drain-timeout", type=float, default=30.0,
                    help="after the last request is issued, seconds in-flight ones get before being cancelled")
@@ -270,8 +303,28 @@ def _write_outputs(args: argparse.Namespace, results: Mapping[str, RunResult], r
                     f.write(json.dumps({"target": name, **rec.to_json()}) + "\n")
 
 
+def _shortfall_line(reports: Mapping[str, Any], min_success: float) -> str | None:
+    """One line naming every run that failed the success check, with its top failure reasons."""
+    failed = {name: why for name, r in reports.items() if (why := success_shortfall(r, min_success))}
+    if not failed:
+        return None
+    if len(reports) == 1:
+        (why,) = failed.values()
+        parts = [why]
+    else:
+        parts = [f"{name}: {why}" for name, why in failed.items()]
+    short = [name for name in failed if reports[name]["summary"]["requests"]]  # others issued nothing
+    if short:
+        parts.append(f"below --min-success {min_success:.0%}")
+        parts.append("the reason table is above" if len(short) == 1 else "the reason tables are above")
+    hint = ""
+    if any(overloaded(reports[name]) for name in short):
+        hint = " (more load than the target sustains: lower --rate, --concurrency or --length-scale)"
+    return "; ".join(parts) + hint
+
+
 async def run_bench(args: argparse.Namespace) -> int:
-    """Run `tokenrelay bench`; returns the exit status (0 ok, 1 no request succeeded, 2 usage)."""
+    """Run `tokenrelay bench`; returns the exit status (EXIT_STATUSES: 0 ok, 1 failed run, 2 usage)."""
     if args.list_workloads:
         for name, path in available_workloads().items():
             print(f"{name:18} {load_workload(str(path)).description}")
@@ -305,11 +358,19 @@ async def run_bench(args: argparse.Namespace) -> int:
     # Baseline first in every table: the engine alone, then the mesh.
     results = dict(sorted(results.items(), key=lambda kv: kv[0] != "engine"))
     reports = {name: build_report(res, slo) for name, res in results.items()}
-    _write_outputs(args, results, reports)
-    if args.plot:
-        for path in write_plots(results, args.plot):
-            print(f"bench: wrote {path}", file=sys.stderr)
-    return 0 if all(r["summary"]["ok"] for r in reports.values()) else 1
+    try:
+        _write_outputs(args, results, reports)
+        if args.plot:
+            for path in write_plots(results, args.plot):
+                print(f"bench: wrote {path}", file=sys.stderr)
+    except OSError as exc:
+        _err(f"cannot write the results: {exc}")
+        return 1
+    shortfall = _shortfall_line(reports, getattr(args, "min_success", DEFAULT_MIN_SUCCESS))
+    if shortfall:
+        _err(shortfall)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,5 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(run_bench(args))
     except KeyboardInterrupt:
+        print("bench: aborted (second Ctrl-C): no report", file=sys.stderr)
         return 130
 

@@ -2,7 +2,8 @@
 
 Goodput is the share of *all* requests (failed ones count as misses) that met every SLO given:
 TTFT, the request's mean inter-token time (TPOT) and end-to-end latency. Throughputs divide by
-the run's wall time (start to last completion), so drain time is included, as a user sees it.
+the run's wall time (start to the last request's end or failure), so drain time is included, as a
+user sees it. ``success_shortfall`` is the `--min-success` check behind the command's exit status.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
+from services.errors import Reason
 
 from .runner import RequestRecord, RunResult
 
 PERCENTILES = (50, 90, 95, 99)
+DEFAULT_MIN_SUCCESS = 0.5   # `--min-success`: a run where fewer requests succeeded fails (exit 1)
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,24 @@ class Slo:
 
 
 def dist_stats(values: Iterable[float]) -> dict[str, float] | None:
-    """n, mean, p50/p90/p95/p99 and max (seconds), or None when there are no values."""
-    a = np.fromiter(values, dtype=float)
-    if a.size == 0:
+    """n, mean, p50/p90/p95/p99 and max (seconds), or None when there are no values.
+
+    Percentiles interpolate linearly between the closest ranks (numpy's default method), in plain
+    Python so that a base install (no numpy) reports too."""
+    a = sorted(float(v) for v in values)
+    if not a:
         return None
-    ps = np.percentile(a, PERCENTILES)
-    out = {"n": int(a.size), "mean": float(a.mean())}
-    out.update({f"p{p}": float(v) for p, v in zip(PERCENTILES, ps, strict=True)})
-    out["max"] = float(a.max())
+    out = {"n": len(a), "mean": math.fsum(a) / len(a)}
+    out.update({f"p{p}": _percentile(a, p) for p in PERCENTILES})
+    out["max"] = a[-1]
     return out
+
+
+def _percentile(ordered: Sequence[float], p: float) -> float:
+    rank = (len(ordered) - 1) * p / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def group_stats(records: Sequence[RequestRecord], wall: float, slo: Slo) -> dict[str, Any]:
@@ -98,7 +109,8 @@ def build_report(result: RunResult, slo: Slo = Slo()) -> dict[str, Any]:
     recs = result.records
     return {
         "workload": result.workload, "target": result.target, "mode": result.mode, "seed": result.seed,
-        "wall_seconds": result.wall, "stopped_by": result.stopped_by, "sessions": result.sessions,
+        "wall_seconds": result.wall, "stopped_by": result.stopped_by, "stopped_at": result.stopped_at,
+        "sessions": result.sessions,
         "truncated_sessions": result.truncated_sessions, "clipped_requests": result.clipped_requests,
         "dropped_sessions": result.dropped_sessions, "client_errors": result.client_errors,
         "slo": {k: v for k, v in asdict(slo).items() if v is not None},
@@ -178,8 +190,47 @@ def _groups_table(report: Mapping[str, Any]) -> str:
 def _errors(report: Mapping[str, Any]) -> str:
     errs = report["summary"]["errors_by_reason"]
     if not errs:
-        return ""
+        return "errors: none"
     return "errors:\n" + "\n".join(f"  {k}: {v}" for k, v in sorted(errs.items(), key=lambda kv: -kv[1]))
+
+
+def failure_reasons(summary: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The failed requests' reasons (the gRPC status where a failure has none), most frequent first."""
+    counts: Counter[str] = Counter()
+    for key, n in summary["errors_by_reason"].items():
+        status, _, reason = key.partition("/")
+        counts[reason or status] += n
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+# Failures that say the offered load is more than the target sustains (not a broken setup).
+OVERLOAD_REASONS = frozenset({Reason.TENANT_CONCURRENCY_LIMIT, Reason.OVERLOADED, Reason.BENCH_TIMEOUT,
+                              Reason.BENCH_DRAIN_TIMEOUT})
+
+
+def overloaded(report: Mapping[str, Any]) -> bool:
+    """Whether the run's most frequent failure reason is an overload (refusals, timeouts, drain cuts)."""
+    reasons = failure_reasons(report["summary"])
+    return bool(reasons) and reasons[0][0] in OVERLOAD_REASONS
+
+
+def success_shortfall(report: Mapping[str, Any], min_success: float = DEFAULT_MIN_SUCCESS,
+                      top: int = 3) -> str | None:
+    """Why this run failed the success check, in a phrase, or None when it passed.
+
+    A run fails when no request was issued, or when fewer than ``min_success`` (a share) of its
+    requests succeeded; the phrase names the most frequent failure reasons with their counts."""
+    s = report["summary"]
+    if not s["requests"]:
+        return f"no request was issued (stopped by {report['stopped_by'] or '-'})"
+    if s["ok"] >= min_success * s["requests"]:
+        return None
+    reasons = failure_reasons(s)
+    shown = [f"{n} {reason}" for reason, n in reasons[:top]]
+    rest = sum(n for _, n in reasons[top:])
+    if rest:
+        shown.append(f"{rest} other")
+    return f"{s['ok']} of {s['requests']} requests succeeded ({', '.join(shown)})"
 
 
 def format_report(report: Mapping[str, Any]) -> str:

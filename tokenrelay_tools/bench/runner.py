@@ -20,7 +20,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.errors import TokenrelayError
+import grpc
+
+from services.errors import Reason, TokenrelayError
 
 from .arrivals import open_loop_times
 from .targets import Target, TargetSession, TurnResult
@@ -50,6 +52,7 @@ class RequestRecord:
     priority: str
     cls: str
     start: float                        # seconds from the run start when sent
+    end: float | None = None            # seconds from the run start when it finished or failed
     status: str = "OK"                  # "OK" or the gRPC status name
     reason: str = ""
     ttft: float | None = None
@@ -91,6 +94,7 @@ class RunResult:
     clipped_requests: int = 0           # first turns shortened to fit the context
     dropped_sessions: int = 0           # open-loop arrivals over --max-sessions (client-side limit)
     stopped_by: str = ""
+    stopped_at: float | None = None     # seconds from the run start when issuing stopped (then: drain)
     client_errors: list[str] = field(default_factory=list)  # unexpected exceptions in the bench itself
 
 
@@ -174,6 +178,7 @@ class Runner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._stopped_by = ""
+        self._stopped_at: float | None = None
         self._next_index = 0
         self._t0 = 0.0
         self._stats = {"sessions": 0, "truncated": 0, "clipped": 0, "dropped": 0}
@@ -186,6 +191,7 @@ class Runner:
     def stop(self, why: str) -> None:
         if not self._stop.is_set():
             self._stopped_by = why
+            self._stopped_at = self.elapsed
             self._stop.set()
 
     async def run(self) -> RunResult:
@@ -202,13 +208,13 @@ class Runner:
                 timer.cancel()
             await self._cancel_all()
         self.records.sort(key=lambda r: r.index)
-        ends = [r.start + (r.e2e or 0.0) for r in self.records]
+        ends = [r.end if r.end is not None else r.start + (r.e2e or 0.0) for r in self.records]
         return RunResult(
             target=self.target.describe(), workload=self.workload.name, mode=self.workload.arrival.mode,
             seed=self.sampler.seed, records=self.records, wall=max(ends, default=self.elapsed),
             sessions=self._stats["sessions"], truncated_sessions=self._stats["truncated"],
             clipped_requests=self._stats["clipped"], dropped_sessions=self._stats["dropped"],
-            stopped_by=self._stopped_by, client_errors=self.client_errors)
+            stopped_by=self._stopped_by, stopped_at=self._stopped_at, client_errors=self.client_errors)
 
     # --------------------------------------------------------------- dispatch
     async def _dispatch(self) -> None:
@@ -365,6 +371,7 @@ class Runner:
 
     def _record_failure(self, rec: RequestRecord, status: str, reason: str) -> None:
         rec.status, rec.reason = status, reason
+        rec.end = time.monotonic() - self._t0
         self.errors += 1
         self.records.append(rec)
 
@@ -375,22 +382,23 @@ class Runner:
         try:
             res = await asyncio.wait_for(s.turn(turn, timing, self.cfg.request_timeout), self.cfg.request_timeout)
         except asyncio.TimeoutError:
-            self._record_failure(rec, "DEADLINE_EXCEEDED", "BENCH_TIMEOUT")
+            self._record_failure(rec, Reason.BENCH_TIMEOUT.code.name, Reason.BENCH_TIMEOUT)
             return False
         except TokenrelayError as exc:
             self._record_failure(rec, exc.code.name, exc.reason)
             return False
         except asyncio.CancelledError:
-            self._record_failure(rec, "CANCELLED", "BENCH_DRAIN_TIMEOUT")
+            self._record_failure(rec, Reason.BENCH_DRAIN_TIMEOUT.code.name, Reason.BENCH_DRAIN_TIMEOUT)
             raise
         except Exception as exc:  # noqa: BLE001 - one broken request must not end the whole run
-            self._record_failure(rec, "UNKNOWN", f"CLIENT_{type(exc).__name__.upper()}")
+            self._record_failure(rec, grpc.StatusCode.UNKNOWN.name, f"CLIENT_{type(exc).__name__.upper()}")
             if len(self.client_errors) < 3:  # kept for the report: a bench bug must not hide as a count
                 self.client_errors.append(repr(exc))
             return False
         finally:
             self.in_flight -= 1
         timing.fill(rec, res, self._t0)
+        rec.end = res.finished_at - self._t0
         self.records.append(rec)
         self.ok += 1
         return True

@@ -19,12 +19,12 @@ from typing import Any
 
 import grpc
 
+from services.channels import open_channel
 from services.client import Client, Finished, TextDelta
-from services.errors import TokenrelayError, Unavailable
-from services.grpc_util import insecure_channel
+from services.errors import Reason, in_band_error
 from services.mux import MuxClient, StreamBroken
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.wire import FINISH_NAMES, engine_error
+from services.wire import FINISH_NAMES
 
 from .prompts import IdSynth, TextSynth, calibrate_chars_per_token, nonce
 from .workload import SessionPlan, TurnPlan
@@ -218,7 +218,7 @@ class _MeshGenerate(_MeshSession):
                 self.messages.append(("assistant", "".join(reply)))
                 result = self.result(event)
         if result is None:
-            raise TokenrelayError("stream ended without `done`", "INCOMPLETE_STREAM")
+            raise Reason.INCOMPLETE_STREAM.error("stream ended without `done`")
         return result
 
 
@@ -242,7 +242,7 @@ class _MeshChat(_MeshSession):
                 observe(len(event.token_ids) or None)
             elif isinstance(event, Finished):
                 return self.result(event)
-        raise TokenrelayError("stream ended without `done`", "INCOMPLETE_STREAM")
+        raise Reason.INCOMPLETE_STREAM.error("stream ended without `done`")
 
 
 # ------------------------------------------------------------------------------------ engine
@@ -268,13 +268,13 @@ class EngineTarget(Target):
         self._channel: grpc.aio.Channel | None = None
 
     async def start(self) -> None:
-        self._channel = insecure_channel(self.address)
+        self._channel = open_channel(self.address)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self.mux: MuxClient[Any] = MuxClient("engine", self._stub.Stream, _build, _split)
         try:
             load = await self._stub.GetLoad(engine_pb2.LoadRequest(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - turned into the typed "cannot reach" error
-            raise Unavailable(f"engine at {self.address} did not answer GetLoad: {exc}", "UPSTREAM_UNAVAILABLE") \
+            raise Reason.UPSTREAM_UNAVAILABLE.error(f"engine at {self.address} did not answer GetLoad: {exc}") \
                 from None
         self.model = load.model
         self.max_context = self.max_context or load.max_context
@@ -326,7 +326,7 @@ class _EngineSession(TargetSession):
                     raise chunk.error
                 if chunk.error_reason:
                     finished = True
-                    raise engine_error(chunk.error_reason, chunk.error_message)
+                    raise in_band_error(chunk.error_reason, chunk.error_message, Reason.ENGINE_ERROR)
                 cached = cached or chunk.cached_tokens
                 if chunk.token_ids:
                     generated.extend(chunk.token_ids)
