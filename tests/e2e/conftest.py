@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from tests.data import SHARED_DATA
+from tests import artefacts
 from tests.meshkit import start_mesh, stop_mesh
 from tests.tiny_model import build_model
 
@@ -15,8 +15,8 @@ from tests.tiny_model import build_model
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """stories260K when ../shared/data has it, else a tiny random Llama built here."""
-    stories = SHARED_DATA / "models" / "stories260K"
-    if stories.exists() and os.environ.get("TOKENRELAY_TEST_TINY") != "1":
+    stories = artefacts.optional("stories260K")
+    if stories is not None and os.environ.get("TOKENRELAY_TEST_TINY") != "1":
         return stories
     return build_model(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.channels import open_channel
 from services.client import Accepted, Client, Finished, TextDelta
 from services.errors import InvalidArgument, ResourceExhausted, Unauthenticated
-from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
 from tests.meshkit import scrape
 from tests.waiting import poll
@@ -34,7 +34,7 @@ def _hf_reference(model_dir: pathlib.Path, prompt: str, max_new_tokens: int) -> 
 
 
 async def _engine_active(address: str) -> int:
-    async with insecure_channel(address) as ch:
+    async with open_channel(address) as ch:
         load = await engine_pb2_grpc.EngineStub(ch).GetLoad(engine_pb2.LoadRequest(), timeout=5)
     return load.active_requests + load.queued_requests
 
@@ -47,7 +47,7 @@ async def _wait_engine_idle(address: str, timeout: float = 20) -> None:
 
 
 async def test_health_and_stream_with_usage(hf_mesh, model_dir):
-    async with insecure_channel(hf_mesh.address) as ch:
+    async with open_channel(hf_mesh.address) as ch:
         resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
     from tokenizers import Tokenizer
@@ -133,7 +133,7 @@ async def test_error_paths(hf_mesh):
         with pytest.raises(Unauthenticated) as e:
             await bad.generate(PROMPT, max_tokens=4)
         assert e.value.reason == "INVALID_API_KEY"
-    async with insecure_channel(hf_mesh.address) as ch:
+    async with open_channel(hf_mesh.address) as ch:
         from services.proto.tokenrelay.v1 import inference_pb2, inference_pb2_grpc
 
         call = inference_pb2_grpc.InferenceStub(ch).Generate(inference_pb2.GenerateRequest(prompt="x"))

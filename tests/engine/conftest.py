@@ -9,7 +9,8 @@ import pytest
 
 from engine_svc.app import start_engine
 from engine_svc.config import EngineSettings
-from services.grpc_util import insecure_channel, wait_healthy
+from services.channels import open_channel
+from services.grpc_util import wait_healthy
 from services.proto.tokenrelay.v1 import engine_pb2_grpc
 
 # A sim engine with every cost at zero: tests measure behaviour, not simulated time.
@@ -26,7 +27,7 @@ async def serve() -> AsyncIterator[Callable[..., Any]]:
     async def start(**overrides: Any) -> tuple[engine_pb2_grpc.EngineStub, Any]:
         settings = EngineSettings(**{**FAST, **overrides})
         engine, server = await start_engine(settings)
-        channel = insecure_channel(server.address)
+        channel = open_channel(server.address)
         running.append((engine, server, channel))
         await wait_healthy(server.address, timeout=10)
         return engine_pb2_grpc.EngineStub(channel), engine

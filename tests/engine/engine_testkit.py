@@ -7,7 +7,6 @@ from typing import Any
 
 from engine_svc.backends.base import GenerationEvent, GenerationRequest
 from engine_svc.backends.sim import SimConfig
-from tests.data import shared_path  # noqa: F401 - re-exported for the engine tests
 from tests.waiting import poll  # noqa: F401 - re-exported for the engine tests
 
 

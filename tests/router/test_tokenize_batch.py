@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from router_svc.tokenize_batch import TokenizeCoalescer
+from services.channels import open_channel
 from services.errors import InvalidArgument
-from services.grpc_util import insecure_channel
 from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tests.tiny_model import build_tokenizer
 from tests.waiting import poll
@@ -22,7 +22,7 @@ async def tokenizer(tmp_path):
     build_tokenizer(tmp_path / "tok")
     app = TokenizerApp(TokenizerSettings(tokenizer=str(tmp_path / "tok"), port=0, max_input_bytes=200))
     await app.start()
-    channel = insecure_channel(app.address)
+    channel = open_channel(app.address)
     yield tokenizer_pb2_grpc.TokenizerStub(channel), Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
     await channel.close()
     await app.stop()

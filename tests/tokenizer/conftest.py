@@ -1,4 +1,5 @@
-"""Fixtures for tokenizer_svc tests: tiny tokenizers built here, real ones from ../shared/data."""
+"""Fixtures for tokenizer_svc tests: tiny tokenizers built here, real ones from tests/artefacts.py
+(../shared/data when present, else built from installed packages)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from tok_artefacts import build_bytelevel, build_sentencepiece, shared_path
+from tok_artefacts import build_bytelevel, build_sentencepiece
 
+from tests import artefacts
 from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 
 TINY = ("tiny-bytelevel", "tiny-sentencepiece")
-REAL = ("gpt2", "llama2", "mistral-v1")
+# Roles or names in tests/artefacts.py: GPT-2 or tekken (byte-level BPE), Llama 2 or Gemma 3 (SentencePiece-style
+# BPE with byte fallback), and Mistral v1 (from ../shared/data or the mistral-common wheel).
+REAL = ("real-bytelevel", "real-sentencepiece", "mistral-v1")
 ALL_TOKENIZERS = (*TINY, *REAL)
 
 
@@ -33,12 +37,12 @@ _CACHE: dict[str, LoadedTokenizer] = {}
 def tokenizer_path(name: str, tiny_dirs: dict[str, pathlib.Path]) -> pathlib.Path:
     if name in tiny_dirs:
         return tiny_dirs[name]
-    return shared_path("tokenizers", name, "tokenizer.json")
+    return artefacts.tokenizer_json(name)
 
 
 @pytest.fixture(params=ALL_TOKENIZERS)
 def any_tokenizer(request: pytest.FixtureRequest, tiny_dirs: dict[str, pathlib.Path]) -> LoadedTokenizer:
-    """Each tokenizer in turn: the tiny ones always, the real ones when ../shared/data is there."""
+    """Each tokenizer in turn: the tiny ones, then the real ones (skipped only where none can be had)."""
     name = request.param
     path = tokenizer_path(name, tiny_dirs)
     key = f"{name}:{path}"

@@ -6,9 +6,10 @@ import json
 import pathlib
 
 import pytest
-from tok_artefacts import build_bytelevel, shared_path
+from tok_artefacts import build_bytelevel
 from tokenizers import Tokenizer
 
+from tests import artefacts
 from tokenizer_svc.loader import TokenizerFiles, load_tokenizer
 
 
@@ -88,10 +89,17 @@ def test_tokens_declared_only_in_tokenizer_config_are_added(tmp_path: pathlib.Pa
     assert tok.tokenizer.encode("x<tool_call>y", add_special_tokens=False).ids.count(new_id) == 1
 
 
-def test_stories260k_metadata() -> None:
-    directory = shared_path("models", "stories260K")
+# A real model directory's metadata: stories260K (../shared/data), else Gemma 3 270M (built from its package).
+REAL_MODEL_METADATA = {
+    "stories260K": (("stories260K", 512, 1, (2,), 512), set(), {0, 1, 2}),
+    "gemma-3-270m": (("gemma-3-270m", 262144, 2, (1, 106), 32768), {"default"}, {0, 1, 2, 106}),
+}
+
+
+def test_real_model_metadata() -> None:
+    name, directory = artefacts.resolve("real-model")
     tok = load_tokenizer(TokenizerFiles.discover(directory))
-    assert (tok.name, tok.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.max_context) == (
-        "stories260K", 512, 1, (2,), 512)
-    assert tok.chat_templates == {}
-    assert {0, 1, 2} <= tok.special_ids
+    expected, templates, specials = REAL_MODEL_METADATA[name]
+    assert (tok.name, tok.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.max_context) == expected
+    assert set(tok.chat_templates) == templates
+    assert specials <= tok.special_ids

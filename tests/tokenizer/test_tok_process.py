@@ -13,7 +13,8 @@ import urllib.request
 
 import pytest
 
-from services.grpc_util import insecure_channel, wait_healthy
+from services.channels import open_channel
+from services.grpc_util import wait_healthy
 from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.config import load_settings
 
@@ -86,7 +87,7 @@ async def test_process_serves_and_stops_on_sigterm(tmp_path: pathlib.Path,
         "--shutdown-grace", "1", "--metrics-port", "0", "--metrics-port-file", str(metrics_file),
         stdout=asyncio.subprocess.PIPE)
     try:
-        async with insecure_channel(address) as channel:
+        async with open_channel(address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             info = await stub.Info(tokenizer_pb2.InfoRequest())
             assert info.name == "sentencepiece"
@@ -112,7 +113,7 @@ async def _threads_after_a_batch(tmp_path: pathlib.Path, tokenizer: pathlib.Path
                                    "--library-threads", str(library_threads), "--log-level", "WARNING",
                                    stdout=asyncio.subprocess.DEVNULL)
     try:
-        async with insecure_channel(address) as channel:
+        async with open_channel(address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             await stub.Tokenize(tokenizer_pb2.TokenizeRequest(
                 inputs=[tokenizer_pb2.TokenizeInput(text=f"text number {i}") for i in range(16)]))

@@ -8,10 +8,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-from collections.abc import Callable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -116,21 +114,3 @@ def build_sentencepiece(directory: pathlib.Path, *, chat_template: str | None = 
                                       "bos_token_id": 1, "eos_token_id": 2})
     _write(directory, "generation_config.json", {"bos_token_id": 1, "eos_token_id": [2, 258]})
     return directory
-
-
-def _root_shared_path() -> Callable[..., pathlib.Path]:
-    try:
-        from tests.data import shared_path as found
-    except ImportError:
-        # Older layout: the helper lives in tests/conftest.py, which pytest imports under the name
-        # "conftest" that nested conftests share, so load it by path.
-        path = pathlib.Path(__file__).resolve().parent.parent / "conftest.py"
-        spec = importlib.util.spec_from_file_location("_tokenrelay_tests_conftest", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        found = module.shared_path
-    return found  # type: ignore[no-any-return]
-
-
-shared_path = _root_shared_path()
