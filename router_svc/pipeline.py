@@ -1,8 +1,17 @@
-"""The path of one request: validate, tokenize, admit, route, generate, detokenize, finish.
+"""The path of one request, over ports: gate, validate, claim id, tokenize, admit, engine, deltas, done.
 
-`Router.generate()` is the single error boundary of a generation: cancellation (the client went
-away, its deadline passed, or Cancel(request_id)) aborts the engine request, closes the
-detokenizer state and releases the lease; typed errors propagate to the servicer's interceptor.
+`Router.generate()` is the single error boundary of a generation. Its state lives in one
+`RequestState`; the stages are methods that read and update it. The engine stage (attempts,
+retries, progress timeout) runs as one task feeding the detokenizer; the delta loop here merges
+every output ready into one client `Delta` per write.
+
+Ending: every request ends by its deadline (the client's, else `request_timeout`) with
+DEADLINE_EXCEEDED, and a Cancel (from any router, through the `RequestRegistry`) ends it with
+`done(cancelled)`; both abort the engine work, close the detokenizer state and settle the lease.
+The deadline and the cancel cost nothing per token: each is one callback that fails the
+detokenizer session, which wakes the delta loop.
+
+This module imports no gRPC and no adapter: `app.py` wires the ports (`ports.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from opentelemetry import trace
@@ -21,15 +30,28 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.errors import Reason, TokenrelayError, in_band_error
 from services.logging import get_logger
-from services.mux import StreamBroken
 from services.tracing import inject, tracer
 
-from .admission import Admission, LeaseKeeper
+from .engine_stage import EngineStage
 from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
+from .placement import LeastLoaded, LocalSessionAffinity
+from .ports import (
+    Admission,
+    Broken,
+    Detokenize,
+    DetokSessionPort,
+    EngineStream,
+    Grant,
+    LoadGate,
+    Placement,
+    RequestRegistry,
+    SessionAffinity,
+    Tokenize,
+)
+from .request import LocalRequestRegistry, RequestState
 from .tenants import Tenant
-from .types import Accepted, Delta, Done, Event, GenerateInput, Timings, Usage
-from .upstreams import DetokSession, EnginePool, EngineReplica, TokenizerUpstream
-from .validation import check_lengths, validate_input
+from .types import Accepted, Delta, DetokOut, Done, Event, GenerateInput
+from .validation import DEFAULT_BOUNDS, MAX_REQUEST_ID, Bounds, check_lengths, validate_input
 
 log = get_logger(__name__)
 _tracer = tracer("tokenrelay.router")
@@ -38,73 +60,107 @@ _tracer = tracer("tokenrelay.router")
 _DETOK_CONTEXT = 8
 
 
+class _OpenGate:
+    class _T:
+        def exit(self) -> None:
+            return None
+
+    _ticket = _T()
+
+    def enter(self) -> _T:
+        return self._ticket
+
+
 @dataclass
-class _RunState:
-    """What the engine pump and the delta loop of one request share."""
-
-    engine_done: bool = False
-    flushed: bool = False
-    reason: str = "length"
+class RouterOptions:
+    request_timeout: float = 600.0
+    engine_attempts: int = 2
+    progress_timeout: float = 10.0
+    bounds: Bounds = DEFAULT_BOUNDS
 
 
 @dataclass
-class _Live:
-    tenant: str
-    replica: EngineReplica | None = None
-    cancelled: bool = False
-    trace_ctx: Context | None = None
+class Ports:
+    tokenizer: Tokenize
+    detokenize: Detokenize
+    engines: EngineStream
+    admission: Admission
+    placement: Placement = field(default_factory=LeastLoaded)
+    affinity: SessionAffinity = field(default_factory=LocalSessionAffinity)
+    registry: RequestRegistry = field(default_factory=LocalRequestRegistry)
+    gate: LoadGate = field(default_factory=_OpenGate)
+
+
+def _coarse_ready(inp: GenerateInput, tokens: int, since_last: float) -> bool:
+    """May a (non-first, non-final) delta be written now? Without options: always. With
+    `min_delta_tokens` and/or `min_delta_interval_ms`: when either bound that is set is met."""
+    min_tokens, min_gap_ms = inp.min_delta_tokens, inp.min_delta_interval_ms
+    if not min_tokens and not min_gap_ms:
+        return True
+    return bool((min_tokens and tokens >= min_tokens) or (min_gap_ms and since_last * 1000 >= min_gap_ms))
+
+
+@dataclass
+class _Merged:
+    """The outputs of one `next_ready()`, merged into at most one client delta."""
+
+    text: str = ""
+    finished: bool = False
+    matched_stop: str = ""
+    tokens_consumed: int = 0
 
 
 class Router:
-    def __init__(self, tokenizer: TokenizerUpstream, engines: EnginePool, admission: Admission,
-                 request_timeout: float, engine_attempts: int = 2) -> None:
-        self.tokenizer = tokenizer
-        self.engines = engines
-        self.admission = admission
-        self.request_timeout = request_timeout
-        self.engine_attempts = engine_attempts
-        self._live: dict[str, _Live] = {}
+    def __init__(self, ports: Ports, options: RouterOptions | None = None) -> None:
+        self.ports = ports
+        self.options = options or RouterOptions()
+        o = self.options
+        self.stage = EngineStage(ports.engines, ports.placement, ports.affinity, o.engine_attempts,
+                                 o.progress_timeout)
+        self._live: dict[tuple[str, str], RequestState] = {}
 
     @property
     def in_flight(self) -> int:
         return len(self._live)
 
-    async def prompt_ids(self, tenant: Tenant, inp: GenerateInput, timeout: float | None) -> list[int]:
-        if inp.token_ids is not None:
-            return list(inp.token_ids)
-        if inp.messages is not None:
-            # Scoped by tenant: one tenant's session id can never reach another's cached prefix.
-            key = f"{tenant.name}/{inp.session_id}" if inp.session_id else ""
-            return await self.tokenizer.tokenize(messages=inp.messages, timeout=timeout, cache_key=key)
-        return await self.tokenizer.tokenize(text=inp.prompt, timeout=timeout)
+    def live(self, tenant: str, request_id: str) -> RequestState | None:
+        """The state of a request this process serves (introspection and tests)."""
+        return self._live.get((tenant, request_id))
 
-    def cancel(self, tenant: Tenant, request_id: str) -> bool:
-        live = self._live.get(request_id)
+    async def cancel(self, tenant: Tenant, request_id: str) -> bool:
         # Another tenant's id is reported exactly like an unknown one: nothing leaks.
-        if live is None or live.tenant != tenant.name:
-            return False
-        live.cancelled = True
-        if live.replica is not None:
-            live.replica.abort(request_id)
-        return True
+        if len(request_id) > MAX_REQUEST_ID:
+            raise Reason.INVALID_REQUEST_ID.error(f"request_id longer than {MAX_REQUEST_ID}")
+        return await self.ports.registry.cancel(tenant.name, request_id)
 
-    async def generate(self, tenant: Tenant, inp: GenerateInput,
-                       deadline: float | None = None) -> AsyncIterator[Event]:
-        """Run one request; the metrics/trace/log boundary around `_generate`."""
-        request_id = inp.request_id or uuid.uuid4().hex
-        inp.request_id = request_id
-        metrics = RequestMetrics(tenant.name, inp.priority or tenant.default_priority)
+    async def generate(self, tenant: Tenant, inp: GenerateInput, deadline: float | None = None,
+                       t_arrival: float | None = None) -> AsyncIterator[Event]:
+        """Run one request; the gate/metrics/trace/log boundary around `_generate`."""
+        now = time.monotonic()
+        ticket = self.ports.gate.enter()   # refuses (UNAVAILABLE) before any work when overloaded
+        try:
+            inp.request_id = inp.request_id or uuid.uuid4().hex
+            state = RequestState(tenant.name, inp.request_id, inp, inp.priority or tenant.default_priority,
+                                 deadline if deadline is not None else now + self.options.request_timeout,
+                                 t_arrival if t_arrival is not None else now)
+            async for event in self._observed(tenant, state):
+                yield event
+        finally:
+            ticket.exit()
+
+    async def _observed(self, tenant: Tenant, state: RequestState) -> AsyncIterator[Event]:
+        metrics = RequestMetrics(tenant.name, state.priority)
         # The root span is never made "current": this generator yields, and a context attached here
         # would be detached by whichever task closes it. Children get the context explicitly.
         span = _tracer.start_span("tokenrelay.generate", attributes={
-            "tokenrelay.request_id": request_id, "tokenrelay.tenant": tenant.name})
+            "tokenrelay.request_id": state.request_id, "tokenrelay.tenant": tenant.name})
         rctx = trace.set_span_in_context(span)
-        structlog.contextvars.bind_contextvars(request_id=request_id, tenant=tenant.name,
+        structlog.contextvars.bind_contextvars(request_id=state.request_id, tenant=tenant.name,
                                                trace_id=format(span.get_span_context().trace_id, "032x"))
         IN_FLIGHT.labels(tenant.name).inc()
         finished = False
         try:
-            async for event in self._generate(tenant, inp, deadline, metrics, rctx):
+            async for event in self._generate(tenant, state, metrics, rctx):
                 finished = isinstance(event, Done)
                 yield event
         except TokenrelayError as exc:
@@ -122,184 +178,222 @@ class Router:
             structlog.contextvars.unbind_contextvars("request_id", "tenant", "trace_id")
             span.end()
 
-    async def _generate(self, tenant: Tenant, inp: GenerateInput, deadline: float | None,
-                        metrics: RequestMetrics, rctx: Context) -> AsyncIterator[Event]:
-        t0 = time.monotonic()
-        validate_input(inp, self.tokenizer.meta)
+    async def _generate(self, tenant: Tenant, state: RequestState, metrics: RequestMetrics,
+                        rctx: Context) -> AsyncIterator[Event]:
+        inp, registry = state.inp, self.ports.registry
+        validate_input(inp, self.ports.tokenizer.meta, self.options.bounds)
         tenant.check_model(inp.model)
         tenant.resolve_priority(inp.priority)
-        request_id = inp.request_id
-        if request_id in self._live:
-            raise Reason.DUPLICATE_REQUEST_ID.error(f"request id {request_id!r} is already in flight")
-        remaining = (deadline - time.monotonic()) if deadline else self.request_timeout
-        with _tracer.start_as_current_span("tokenize", context=rctx):
-            ids = await self.prompt_ids(tenant, inp, remaining)
-        t_tok = time.monotonic()
-        check_lengths(ids, inp.sampling, tenant, self._max_context())
-        live = self._live[request_id] = _Live(tenant.name, trace_ctx=rctx)
+        state.check_deadline()
+        # Claimed before any await: a second identical id of this tenant fails at once, the first runs.
+        if not await registry.claim(tenant.name, state.request_id):
+            raise Reason.DUPLICATE_REQUEST_ID.error(f"request id {state.request_id!r} is already in flight")
+        self._live[state.key] = state
+        done: Done | None = None
         try:
-            yield Accepted(request_id, len(ids))
-            QUEUED.labels(tenant.name).inc()
+            registry.on_cancel(tenant.name, state.request_id, state.cancel)
+            await self._tokenize(tenant, state, rctx)
+            check_lengths(state.prompt_ids, inp.sampling, tenant, self._max_context())
+            yield Accepted(state.request_id, len(state.prompt_ids))
+            grant = await self._admit(tenant, state, rctx)
             try:
-                with _tracer.start_as_current_span("queue_wait", context=rctx):
-                    await self.admission.acquire(tenant.name, request_id, tenant.max_in_flight)
+                async for event in self._run(state, metrics, rctx):
+                    if isinstance(event, Done):
+                        done = event
+                    else:
+                        yield event
             finally:
-                QUEUED.labels(tenant.name).dec()
-            timings = Timings(tokenize_seconds=t_tok - t0, queue_seconds=time.monotonic() - t_tok)
-            async with LeaseKeeper(self.admission, tenant.name, request_id):
-                async for event in self._run(request_id, tenant, inp, ids, live, timings, t0, metrics):
-                    yield event
+                await _settle(grant, state)
         finally:
-            self._live.pop(request_id, None)
+            self._live.pop(state.key, None)
+            await registry.release(tenant.name, state.request_id)
+        # `done` goes out after the lease and the id are released: a client that has its `done`
+        # may reuse the id, or send its next request within its tenant's limit, at once.
+        if done is not None:
+            yield done
+
+    async def _tokenize(self, tenant: Tenant, state: RequestState, rctx: Context) -> None:
+        inp, tok = state.inp, self.ports.tokenizer
+        t = time.monotonic()
+        with _tracer.start_as_current_span("tokenize", context=rctx):
+            if inp.token_ids is not None:
+                state.prompt_ids = list(inp.token_ids)
+            elif inp.messages is not None:
+                # Scoped by tenant: one tenant's session id can never reach another's cached prefix.
+                key = f"{tenant.name}/{inp.session_id}" if inp.session_id else ""
+                state.prompt_ids = await tok.tokenize(messages=inp.messages, timeout=state.remaining(),
+                                                      cache_key=key)
+            else:
+                state.prompt_ids = await tok.tokenize(text=inp.prompt, timeout=state.remaining())
+        state.t_tokenized = time.monotonic()
+        state.timings.tokenize_seconds = state.t_tokenized - t
+        state.check_deadline()
+
+    async def _admit(self, tenant: Tenant, state: RequestState, rctx: Context) -> Grant:
+        QUEUED.labels(tenant.name).inc()
+        try:
+            with _tracer.start_as_current_span("queue_wait", context=rctx):
+                async with asyncio.timeout(state.remaining()):
+                    grant = await self.ports.admission.admit(tenant.name, state.request_id,
+                                                             tenant.max_in_flight, state.cost)
+        except TimeoutError:
+            raise Reason.DEADLINE_EXCEEDED.error("the deadline passed while waiting for admission") from None
+        finally:
+            QUEUED.labels(tenant.name).dec()
+        state.t_admitted = time.monotonic()
+        state.timings.queue_seconds = max(0.0, state.t_admitted - state.t_arrival - state.timings.tokenize_seconds)
+        return grant
 
     def _max_context(self) -> int:
-        meta = self.tokenizer.meta
-        contexts = [c for c in (self.engines.max_context, meta.max_context if meta else 0) if c]
+        meta = self.ports.tokenizer.meta
+        contexts = [c for c in (self.ports.engines.max_context, meta.max_context if meta else 0) if c]
         return min(contexts) if contexts else 0
 
-    async def _run(self, request_id: str, tenant: Tenant, inp: GenerateInput, ids: list[int],
-                   live: _Live, timings: Timings, t0: float, metrics: RequestMetrics) -> AsyncIterator[Event]:
-        eos = list(self.tokenizer.meta.eos_token_ids) if self.tokenizer.meta else []
-        detok = self.tokenizer.detokenizer(request_id)
-        detok.start(inp.sampling.stop, inp.sampling.include_stop_str, ids[-_DETOK_CONTEXT:], inject(live.trace_ctx))
-        generated: list[int] = []
-        usage = Usage(prompt_tokens=len(ids))
-        state = _RunState()
-        pump = asyncio.create_task(self._pump(request_id, tenant, inp, ids, eos, live, detok, generated,
-                                              usage, state))
-        emitted = counted = 0
-        t_first: float | None = None
+    async def _run(self, state: RequestState, metrics: RequestMetrics, rctx: Context) -> AsyncIterator[Event]:
+        if state.is_cancelled:   # cancelled while tokenizing or waiting for admission
+            yield self._done(state, metrics, None)
+            return
+        meta = self.ports.tokenizer.meta
+        eos = list(meta.eos_token_ids) if meta else []
+        detok = self.ports.detokenize.detokenizer(state.upstream_id)
+        detok.start(state.inp.sampling.stop, state.inp.sampling.include_stop_str,
+                    state.prompt_ids[-_DETOK_CONTEXT:], inject(rctx))
+        ending = _Ending(state, detok, self.ports.engines)
+        self.ports.registry.on_cancel(state.tenant, state.request_id, ending.on_cancel)
+        pump = asyncio.create_task(self.stage.run(state, detok, eos, rctx))
+        pump.add_done_callback(lambda _: _stage_ended(state, detok))
+        flushed = False
         try:
-            while True:
-                out = await detok.next()
-                if isinstance(out, StreamBroken):
-                    raise out.error
-                if out.error:  # an overload stays UNAVAILABLE (with a retry-after), the rest as registered
-                    raise in_band_error(out.error, "in-band error from the detokenizer", Reason.DETOKENIZER_ERROR)
-                limit = out.tokens_consumed if out.matched_stop else len(generated)
-                new_ids = generated[emitted:limit] if inp.return_token_ids else []
-                emitted = max(emitted, limit)
-                if out.text or new_ids:
-                    now = time.monotonic()
-                    if t_first is None:
-                        t_first = now
-                        metrics.first_token(now)
-                    else:
-                        metrics.delta(now, len(generated) - counted)
-                    counted = len(generated)
-                    yield Delta(out.text, new_ids)
-                if out.finished:
-                    state.flushed = True
-                    break
-            if out.matched_stop:
-                usage.completion_tokens = out.tokens_consumed
-                reason, stop_reason = "stop", out.matched_stop
-            else:
-                await pump  # the engine finished: its last chunk set the reason
-                usage.completion_tokens = len(generated)
-                reason, stop_reason = state.reason, ""
-                if live.cancelled:
-                    reason = "cancelled"
-            now = time.monotonic()
-            first = t_first if t_first is not None else now
-            timings.ttft_seconds = first - t0
-            timings.total_seconds = now - t0
-            timings.decode_seconds = now - first
-            metrics.done(reason, usage, timings)  # type: ignore[arg-type]
-            log.info("request_done", finish=reason, prompt_tokens=usage.prompt_tokens,
-                     completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
-                     ttft_ms=round(timings.ttft_seconds * 1000, 2), total_ms=round(timings.total_seconds * 1000, 2))
-            yield Done(reason, usage, timings, stop_reason)  # type: ignore[arg-type]
+            final: _Merged | None = None
+            async for item in self._deltas(state, detok, metrics):
+                if isinstance(item, Delta):
+                    yield item
+                else:
+                    final = item
+            flushed = not state.is_cancelled
+            yield self._done(state, metrics, final)
         finally:
+            ending.close()
             pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pump
-            if not state.engine_done and live.replica is not None:
-                live.replica.abort(request_id)
-            if live.replica is not None:
-                live.replica.release(request_id)
-            detok.close(flushed=state.flushed)
+            if state.replica:
+                if not state.engine_done:
+                    self.ports.engines.abort(state.replica, state.upstream_id)
+                self.ports.engines.release(state.replica, state.upstream_id)
+            detok.close(flushed=flushed)
 
-    async def _pump(self, request_id: str, tenant: Tenant, inp: GenerateInput, ids: list[int],
-                    eos: list[int], live: _Live, detok: DetokSession, generated: list[int],
-                    usage: Usage, state: _RunState) -> None:
-        """Engine → detokenizer. Before any token, a broken stream or an error the registry marks
-        retryable is retried on another replica (`engine_attempts` in all)."""
-        tried: set[str] = set()
-        last_error: TokenrelayError | None = None   # of the attempt being retried
-        phase = None
-        prefilling = False
-        try:
-            while True:
-                with _tracer.start_as_current_span("route", context=live.trace_ctx) as route_span:
-                    try:
-                        replica = self.engines.pick(inp.session_id, frozenset(tried))
-                    except TokenrelayError:
-                        if last_error is not None:  # no other replica: the client hears why the last one failed
-                            raise last_error from None
-                        raise
-                    route_span.set_attribute("tokenrelay.replica", replica.address)
-                live.replica = replica
-                tried.add(replica.address)
-                phase, prefilling = _tracer.start_span("prefill", context=live.trace_ctx), True
-                ctx = trace.set_span_in_context(phase)
-                queue = replica.submit(request_id, ids, inp.sampling, eos, tenant.name, inject(ctx))
-                while True:
-                    chunk = await queue.get()
-                    if prefilling and not isinstance(chunk, StreamBroken) and chunk.token_ids:
-                        phase.end()
-                        phase, prefilling = _tracer.start_span("decode", context=live.trace_ctx), False
-                    if isinstance(chunk, StreamBroken):
-                        replica.release(request_id)
-                        if generated or len(tried) >= self.engine_attempts or live.cancelled:
-                            raise chunk.error
-                        self.engines.mark_failed(replica)
-                        log.warning("engine_retry", request_id=request_id, failed=replica.address)
-                        last_error = chunk.error
-                        break
-                    if chunk.error_reason:
-                        error = in_band_error(chunk.error_reason, chunk.error_message, Reason.ENGINE_ERROR)
-                        if generated or not error.retryable or len(tried) >= self.engine_attempts or live.cancelled:
-                            state.engine_done = True
-                            raise error
-                        # The engine ended this attempt (e.g. OVERLOADED): the replica is healthy, just busy.
-                        replica.release(request_id)
-                        log.warning("engine_retry", request_id=request_id, failed=replica.address,
-                                    reason=error.reason)
-                        last_error = error
-                        break
-                    if chunk.cached_tokens:
-                        usage.cached_tokens = chunk.cached_tokens
-                    generated.extend(chunk.token_ids)
-                    if chunk.finished:
-                        state.engine_done = True
-                        state.reason = chunk.finish_reason or "length"
-                    detok.send(chunk.token_ids, final=chunk.finished)
-                    if chunk.finished:
-                        return
-        except TokenrelayError as exc:
-            detok.fail(exc)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - surfaced to the request, never swallowed
-            detok.fail(Reason.ENGINE_ERROR.error(f"engine pump failed: {exc!r}"))
-        finally:
-            if phase is not None:
-                phase.end()
+    async def _deltas(self, state: RequestState, detok: DetokSessionPort,
+                      metrics: RequestMetrics) -> AsyncIterator[Delta | _Merged]:
+        """Client deltas: every output ready merged into one; coarser when the client asked.
+        The last item is the final `_Merged` (how the detokenizer ended)."""
+        inp = state.inp
+        pending: list[str] = []
+        emitted = counted = 0
+        last_write = 0.0
+        while True:
+            merged = _merge(await detok.next_ready(), state)
+            if merged.text:
+                pending.append(merged.text)
+            limit = merged.tokens_consumed if merged.matched_stop else len(state.generated)
+            now = time.monotonic()
+            if (pending or (inp.return_token_ids and limit > emitted)) and (
+                    merged.finished or state.t_first is None
+                    or _coarse_ready(inp, len(state.generated) - counted, now - last_write)):
+                new_ids = state.generated[emitted:limit] if inp.return_token_ids else []
+                emitted = max(emitted, limit)
+                if state.t_first is None:
+                    state.t_first = now
+                    metrics.first_token(now)
+                else:
+                    metrics.delta(now, len(state.generated) - counted)
+                counted, last_write = len(state.generated), now
+                yield Delta("".join(pending), new_ids)
+                pending.clear()
+            if merged.finished:
+                yield merged
+                return
+
+    def _done(self, state: RequestState, metrics: RequestMetrics, merged: _Merged | None) -> Done:
+        usage, timings = state.usage, state.timings
+        usage.prompt_tokens = len(state.prompt_ids)
+        if merged is not None and merged.matched_stop:
+            usage.completion_tokens = merged.tokens_consumed
+            reason, stop_reason = "stop", merged.matched_stop
+        else:
+            usage.completion_tokens = len(state.generated)
+            reason, stop_reason = state.finish_reason, ""
+        if state.is_cancelled:
+            reason = "cancelled"
+        now = time.monotonic()
+        first = state.t_first if state.t_first is not None else now
+        timings.ttft_seconds = first - state.t_arrival
+        timings.total_seconds = now - state.t_arrival
+        timings.decode_seconds = now - first
+        metrics.done(reason, usage, timings)
+        log.info("request_done", finish=reason, prompt_tokens=usage.prompt_tokens,
+                 completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
+                 ttft_ms=round(timings.ttft_seconds * 1000, 2), total_ms=round(timings.total_seconds * 1000, 2))
+        return Done(reason, usage, timings, stop_reason)  # type: ignore[arg-type]
 
 
-class Sessions:
-    """Chat sessions: per-session conversation, owned by one tenant."""
+def _merge(outs: list[DetokOut | Broken], state: RequestState) -> _Merged:
+    merged = _Merged()
+    texts: list[str] = []
+    for out in outs:
+        if not isinstance(out, DetokOut):    # broken: the engine stage, a deadline or a cancel failed it
+            if state.is_cancelled:
+                merged.finished = True
+                break
+            raise out.error
+        if out.error:  # an overload stays UNAVAILABLE (with a retry-after), the rest as registered
+            raise in_band_error(out.error, "in-band error from the detokenizer", Reason.DETOKENIZER_ERROR)
+        if out.text:
+            texts.append(out.text)
+        if out.finished:
+            merged.finished, merged.matched_stop, merged.tokens_consumed = True, out.matched_stop, out.tokens_consumed
+            break
+    merged.text = "".join(texts)
+    return merged
 
-    def __init__(self) -> None:
-        self._owners: dict[str, str] = {}
 
-    def claim(self, tenant: Tenant, session_id: str) -> str:
-        session_id = session_id or uuid.uuid4().hex
-        owner = self._owners.setdefault(session_id, tenant.name)
-        if owner != tenant.name:
-            raise Reason.UNKNOWN_SESSION.error("unknown session")
-        return session_id
+class _Ending:
+    """The two ways a request ends from outside its loop, each one callback: its deadline (a
+    timer) and a Cancel (the registry). Both abort the engine work and wake the delta loop by
+    failing the detokenizer session."""
 
-    def drop(self, session_id: str) -> None:
-        self._owners.pop(session_id, None)
+    def __init__(self, state: RequestState, detok: DetokSessionPort, engines: EngineStream) -> None:
+        self._state, self._detok, self._engines = state, detok, engines
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + state.remaining(), self._on_deadline)
+
+    def _abort(self) -> None:
+        if self._state.replica and not self._state.engine_done:
+            self._engines.abort(self._state.replica, self._state.upstream_id)
+            self._state.engine_done = True   # nothing left to abort
+
+    def _on_deadline(self) -> None:
+        self._abort()
+        self._detok.fail(Reason.DEADLINE_EXCEEDED.error("the request's deadline passed"))
+
+    def on_cancel(self) -> None:
+        self._state.cancel()
+        self._abort()
+        self._detok.fail(Reason.CANCELLED.error("cancelled"))
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
+def _stage_ended(state: RequestState, detok: DetokSessionPort) -> None:
+    """However the engine stage ended, the delta loop must not wait for it any longer (its own
+    failures reach the detokenizer first; this covers a stage cancelled from outside)."""
+    if not state.engine_done:
+        detok.fail(Reason.ENGINE_ERROR.error("the engine stage ended without a result"))
+
+
+async def _settle(grant: Grant, state: RequestState) -> None:
+    try:
+        await grant.settle(state.usage)
+    except Exception as exc:  # noqa: BLE001 - logged; the lease's TTL frees it
+        log.warning("settle_failed", request_id=state.request_id, error=str(exc))

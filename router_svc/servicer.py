@@ -1,19 +1,30 @@
-"""Inference servicer: protobuf ↔ domain conversion only (errors map in the interceptor)."""
+"""Inference servicer: protobuf ↔ domain conversion only (errors map in the interceptor).
+
+`add_to_server` registers the service like the generated helper, except that Chat receives raw
+bytes and decodes them here: a message that does not decode (corrupt wire format, invalid UTF-8
+in a string) ends the stream with INVALID_ARGUMENT / MALFORMED_MESSAGE instead of leaving it
+without a status.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
+from services.errors import Reason
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.wire import FINISH_CODES
 
-from .chat import ChatCancel, ChatIn, ChatStart, ChatStarted, ChatTurn, run_chat
-from .pipeline import Router, Sessions
+from .chat import ChatCancel, ChatIn, ChatStart, ChatStarted, ChatTurn, Sessions, run_chat
+from .pipeline import Router
 from .tenants import Authenticator, Tenant, api_key_from_metadata
-from .types import Accepted, Delta, Done, Event, GenerateInput, Sampling
+from .types import Accepted, Delta, Done, Event, GenerateInput, Sampling, TurnError
+
+SERVICE = "tokenrelay.v1.Inference"
 
 
 def sampling_from_pb(s: common_pb2.SamplingParams) -> Sampling:
@@ -35,7 +46,8 @@ def generate_input_from_pb(r: inference_pb2.GenerateRequest) -> GenerateInput:
         messages=_messages(r.messages.messages) if which == "messages" else None,
         token_ids=list(r.token_ids.ids) if which == "token_ids" else None,
         priority=int(r.priority), session_id=r.session_id, return_token_ids=r.return_token_ids,
-        request_id=r.request_id, model=r.model)
+        request_id=r.request_id, model=r.model, min_delta_tokens=r.min_delta_tokens,
+        min_delta_interval_ms=r.min_delta_interval_ms)
 
 
 def event_to_pb(event: Event) -> dict[str, object]:
@@ -57,14 +69,29 @@ def event_to_pb(event: Event) -> dict[str, object]:
                                    decode_seconds=t.decode_seconds))}
 
 
-async def _chat_in(requests: AsyncIterator[inference_pb2.ChatRequest]) -> AsyncIterator[ChatIn]:
-    async for r in requests:
+def turn_error_to_pb(e: TurnError) -> inference_pb2.TurnError:
+    retry_ms = int(e.retry_after * 1000) if e.retry_after else 0
+    return inference_pb2.TurnError(code=e.code, reason=e.reason, message=e.message, retry_after_ms=retry_ms,
+                                   request_id=e.request_id)
+
+
+def decode_chat_request(data: bytes) -> inference_pb2.ChatRequest:
+    try:
+        return inference_pb2.ChatRequest.FromString(data)
+    except DecodeError as exc:
+        raise Reason.MALFORMED_MESSAGE.error(f"a chat message does not decode: {exc}") from None
+
+
+async def _chat_in(requests: AsyncIterator[bytes]) -> AsyncIterator[ChatIn]:
+    async for data in requests:
+        r = decode_chat_request(data)
         which = r.WhichOneof("event")
         if which == "start":
             yield ChatStart(r.start.session_id, _messages(r.start.system), int(r.start.priority),
                             r.start.return_token_ids)
         elif which == "turn":
-            yield ChatTurn(_messages(r.turn.messages), sampling_from_pb(r.turn.sampling))
+            yield ChatTurn(_messages(r.turn.messages), sampling_from_pb(r.turn.sampling),
+                           r.turn.min_delta_tokens, r.turn.min_delta_interval_ms)
         elif which == "cancel":
             yield ChatCancel()
 
@@ -73,30 +100,49 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, router: Router, tenants: Authenticator) -> None:
         self.router = router
         self.tenants = tenants
-        self.sessions = Sessions()
+        self.sessions = Sessions(router.options.bounds)
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         return self.tenants.authenticate(api_key_from_metadata(context.invocation_metadata()))
 
     async def Generate(self, request: inference_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        t_arrival = time.monotonic()
         tenant = self._tenant(context)
         remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        async for event in self.router.generate(tenant, generate_input_from_pb(request), deadline):
+        deadline = t_arrival + remaining if remaining is not None else None
+        async for event in self.router.generate(tenant, generate_input_from_pb(request), deadline, t_arrival):
             yield inference_pb2.GenerateResponse(**event_to_pb(event))  # type: ignore[arg-type]
 
-    async def Chat(self, request_iterator: AsyncIterator[inference_pb2.ChatRequest],
+    async def Chat(self, request_iterator: AsyncIterator[Any],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.ChatResponse]:
         tenant = self._tenant(context)
         async for event in run_chat(self.router, self.sessions, tenant, _chat_in(request_iterator)):
             if isinstance(event, ChatStarted):
-                started = inference_pb2.ChatStarted(session_id=event.session_id)
-                yield inference_pb2.ChatResponse(started=started)
+                yield inference_pb2.ChatResponse(started=inference_pb2.ChatStarted(session_id=event.session_id))
+            elif isinstance(event, TurnError):
+                yield inference_pb2.ChatResponse(turn_error=turn_error_to_pb(event))
             else:
                 yield inference_pb2.ChatResponse(**event_to_pb(event))  # type: ignore[arg-type]
 
     async def Cancel(self, request: inference_pb2.CancelRequest,
                      context: grpc.aio.ServicerContext) -> inference_pb2.CancelResponse:
         tenant = self._tenant(context)
-        return inference_pb2.CancelResponse(cancelled=self.router.cancel(tenant, request.request_id))
+        return inference_pb2.CancelResponse(cancelled=await self.router.cancel(tenant, request.request_id))
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with Chat's requests left as bytes (decoded in `_chat_in`)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=inference_pb2.GenerateRequest.FromString,
+            response_serializer=inference_pb2.GenerateResponse.SerializeToString),
+        "Chat": grpc.stream_stream_rpc_method_handler(
+            servicer.Chat, request_deserializer=None,
+            response_serializer=inference_pb2.ChatResponse.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            servicer.Cancel, request_deserializer=inference_pb2.CancelRequest.FromString,
+            response_serializer=inference_pb2.CancelResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)  # type: ignore[attr-defined]

@@ -32,6 +32,10 @@ class GenerateInput:
     return_token_ids: bool = False
     request_id: str = ""
     model: str = ""
+    # Coarser deltas for service-to-service callers: a delta waits until it holds this many tokens
+    # or this long has passed since the last one (the final delta never waits). 0 = off.
+    min_delta_tokens: int = 0
+    min_delta_interval_ms: int = 0
 
 
 @dataclass
@@ -69,6 +73,17 @@ class Done:
     usage: Usage
     timings: Timings
     stop_reason: str = ""
+
+
+@dataclass
+class TurnError:
+    """A chat turn failed; the session goes on (ChatResponse.turn_error)."""
+
+    reason: str
+    code: str          # the gRPC status code's name, e.g. "INVALID_ARGUMENT"
+    message: str
+    retry_after: float | None = None
+    request_id: str = ""   # the failed turn's id; "" for a turn refused before it started
 
 
 Event = Accepted | Delta | Done

@@ -1,8 +1,14 @@
-"""Request validation: every bad input gets INVALID_ARGUMENT with a precise reason."""
+"""Request validation: every bad input gets INVALID_ARGUMENT with a precise reason.
+
+Every client-supplied string has a bound (`Bounds`, from the `limits` settings): request_id,
+session_id, model, stop strings, each chat message's role and content, the number of messages,
+the prompt. Token counts are bounded after tokenizing (`check_lengths`).
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from services.errors import Reason
 
@@ -12,6 +18,22 @@ from .types import GenerateInput, Sampling, TokenizerMeta
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID = 128
+MAX_DELTA_TOKENS = 4096
+MAX_DELTA_INTERVAL_MS = 10_000
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Length bounds of client strings (defaults = the `limits` settings' defaults)."""
+
+    max_session_id: int = 128
+    max_model_name: int = 256
+    max_messages: int = 1024
+    max_role_chars: int = 64
+    max_content_chars: int = 1_000_000
+
+
+DEFAULT_BOUNDS = Bounds()
 
 
 def _check_sampling(s: Sampling) -> None:
@@ -28,17 +50,45 @@ def _check_sampling(s: Sampling) -> None:
             raise Reason.INVALID_STOP.error(f"stop strings must have 1..{MAX_STOP_CHARS} characters")
 
 
-def validate_input(inp: GenerateInput, meta: TokenizerMeta | None) -> None:
-    _check_sampling(inp.sampling)
+def check_messages(messages: list[tuple[str, str]], bounds: Bounds = DEFAULT_BOUNDS) -> None:
+    if len(messages) > bounds.max_messages:
+        raise Reason.TOO_MANY_MESSAGES.error(f"at most {bounds.max_messages} messages")
+    for role, content in messages:
+        if len(role) > bounds.max_role_chars:
+            raise Reason.TOO_MANY_MESSAGES.error(f"a message role is longer than {bounds.max_role_chars}")
+        if len(content) > bounds.max_content_chars:
+            raise Reason.TOO_MANY_MESSAGES.error(f"a message is longer than {bounds.max_content_chars} characters")
+
+
+def check_ids(inp: GenerateInput, bounds: Bounds = DEFAULT_BOUNDS) -> None:
+    """The bounded identifiers and options: cheap, so checked before anything else."""
     if len(inp.request_id) > MAX_REQUEST_ID:
         raise Reason.INVALID_REQUEST_ID.error(f"request_id longer than {MAX_REQUEST_ID}")
+    if len(inp.session_id) > bounds.max_session_id:
+        raise Reason.INVALID_SESSION_ID.error(f"session_id longer than {bounds.max_session_id}")
+    if len(inp.model) > bounds.max_model_name:
+        raise Reason.INVALID_MODEL.error(f"model longer than {bounds.max_model_name}")
+    if not 0 <= inp.min_delta_tokens <= MAX_DELTA_TOKENS:
+        raise Reason.INVALID_DELTA_OPTIONS.error(f"min_delta_tokens must be in [0, {MAX_DELTA_TOKENS}]")
+    if not 0 <= inp.min_delta_interval_ms <= MAX_DELTA_INTERVAL_MS:
+        raise Reason.INVALID_DELTA_OPTIONS.error(f"min_delta_interval_ms must be in [0, {MAX_DELTA_INTERVAL_MS}]")
+
+
+def validate_input(inp: GenerateInput, meta: TokenizerMeta | None, bounds: Bounds = DEFAULT_BOUNDS) -> None:
+    _check_sampling(inp.sampling)
+    check_ids(inp, bounds)
     given = [x for x in (inp.prompt, inp.messages, inp.token_ids) if x is not None]
     if len(given) != 1:
         raise Reason.MISSING_INPUT.error("exactly one of prompt, messages, token_ids is required")
-    if inp.prompt is not None and not inp.prompt.strip():
-        raise Reason.EMPTY_PROMPT.error("prompt is empty")
-    if inp.messages is not None and not inp.messages:
-        raise Reason.EMPTY_PROMPT.error("messages is empty")
+    if inp.prompt is not None:
+        if not inp.prompt.strip():
+            raise Reason.EMPTY_PROMPT.error("prompt is empty")
+        if len(inp.prompt) > bounds.max_content_chars:
+            raise Reason.INPUT_TOO_LARGE.error(f"prompt longer than {bounds.max_content_chars} characters")
+    if inp.messages is not None:
+        if not inp.messages:
+            raise Reason.EMPTY_PROMPT.error("messages is empty")
+        check_messages(inp.messages, bounds)
     if inp.token_ids is not None:
         if not inp.token_ids:
             raise Reason.EMPTY_PROMPT.error("token_ids is empty")

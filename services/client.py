@@ -32,6 +32,7 @@ from services.errors import (  # re-exported: callers catch these
     TokenrelayError,
     Unauthenticated,
     Unavailable,
+    error_for,
     from_rpc_error,
 )
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -165,13 +166,15 @@ class Client:
 
     def _request(self, prompt: str | None, messages: Any, token_ids: Sequence[int] | None,
                  sampling: Sampling, priority: str, session_id: str, request_id: str,
-                 return_token_ids: bool) -> inference_pb2.GenerateRequest:
+                 return_token_ids: bool, min_delta_tokens: int = 0,
+                 min_delta_interval_ms: int = 0) -> inference_pb2.GenerateRequest:
         given = sum(x is not None for x in (prompt, messages, token_ids))
         if given != 1:
             raise Reason.MISSING_INPUT.error("pass exactly one of prompt, messages, token_ids")
         req = inference_pb2.GenerateRequest(sampling=sampling.to_pb(), priority=PRIORITIES[priority],
                                             session_id=session_id, request_id=request_id,
-                                            return_token_ids=return_token_ids)
+                                            return_token_ids=return_token_ids, min_delta_tokens=min_delta_tokens,
+                                            min_delta_interval_ms=min_delta_interval_ms)
         if prompt is not None:
             req.prompt = prompt
         elif messages is not None:
@@ -183,10 +186,12 @@ class Client:
     async def stream(self, prompt: str | None = None, *, messages: Any = None,
                      token_ids: Sequence[int] | None = None, priority: str = "", session_id: str = "",
                      request_id: str = "", return_token_ids: bool = False, timeout: float | None = None,
+                     min_delta_tokens: int = 0, min_delta_interval_ms: int = 0,
                      **sampling: Any) -> AsyncIterator[Event]:
-        """Stream events: `Accepted`, then `TextDelta`s, then `Finished`. Breaking out cancels."""
+        """Stream events: `Accepted`, then `TextDelta`s, then `Finished`. Breaking out cancels.
+        `min_delta_tokens` / `min_delta_interval_ms`: coarser deltas (service-to-service callers)."""
         req = self._request(prompt, messages, token_ids, Sampling(**sampling), priority, session_id,
-                            request_id, return_token_ids)
+                            request_id, return_token_ids, min_delta_tokens, min_delta_interval_ms)
         call = self._stub.Generate(req, metadata=self._metadata, timeout=timeout or self._timeout)
         try:
             async for msg in call:
@@ -254,13 +259,21 @@ class ChatSession:
         if self._call is not None:
             self._call.cancel()
 
-    async def send(self, content: str, *, role: str = "user", **sampling: Any) -> AsyncIterator[Event]:
-        """Send one turn and stream its events (`Accepted`, `TextDelta`s, `Finished`)."""
+    async def send(self, content: str, *, role: str = "user", min_delta_tokens: int = 0,
+                   min_delta_interval_ms: int = 0, **sampling: Any) -> AsyncIterator[Event]:
+        """Send one turn and stream its events (`Accepted`, `TextDelta`s, `Finished`). A turn the
+        router fails or refuses raises its typed error; the session stays usable."""
         self._outbox.put_nowait(inference_pb2.ChatRequest(turn=inference_pb2.ChatTurn(
             messages=[common_pb2.ChatMessage(role=role, content=content)],
-            sampling=Sampling(**sampling).to_pb())))
+            sampling=Sampling(**sampling).to_pb(), min_delta_tokens=min_delta_tokens,
+            min_delta_interval_ms=min_delta_interval_ms)))
         while True:
-            event = _event(await self._next())
+            msg = await self._next()
+            if msg.WhichOneof("event") == "turn_error":
+                e = msg.turn_error
+                raise error_for(e.reason, e.message, code=getattr(grpc.StatusCode, e.code, None),
+                                retry_after=e.retry_after_ms / 1000 if e.retry_after_ms else None)
+            event = _event(msg)
             if event is None:
                 continue
             yield event

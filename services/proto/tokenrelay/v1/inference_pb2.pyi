@@ -20,7 +20,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "token_ids", "sampling", "priority", "session_id", "return_token_ids", "request_id", "model")
+    __slots__ = ("prompt", "messages", "token_ids", "sampling", "priority", "session_id", "return_token_ids", "request_id", "model", "min_delta_tokens", "min_delta_interval_ms")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class GenerateRequest(_message.Message):
     RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MIN_DELTA_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_DELTA_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: Messages
     token_ids: TokenIds
@@ -39,7 +41,9 @@ class GenerateRequest(_message.Message):
     return_token_ids: bool
     request_id: str
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., session_id: _Optional[str] = ..., return_token_ids: _Optional[bool] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    min_delta_tokens: int
+    min_delta_interval_ms: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., session_id: _Optional[str] = ..., return_token_ids: _Optional[bool] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., min_delta_tokens: _Optional[int] = ..., min_delta_interval_ms: _Optional[int] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("request_id", "prompt_tokens", "queue_position")
@@ -82,12 +86,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
 
 class ChatTurn(_message.Message):
-    __slots__ = ("messages", "sampling")
+    __slots__ = ("messages", "sampling", "min_delta_tokens", "min_delta_interval_ms")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MIN_DELTA_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_DELTA_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    min_delta_tokens: int
+    min_delta_interval_ms: int
+    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_delta_tokens: _Optional[int] = ..., min_delta_interval_ms: _Optional[int] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
     __slots__ = ("start", "turn", "cancel")
@@ -116,16 +124,32 @@ class ChatCancel(_message.Message):
     def __init__(self) -> None: ...
 
 class ChatResponse(_message.Message):
-    __slots__ = ("started", "accepted", "delta", "done")
+    __slots__ = ("started", "accepted", "delta", "done", "turn_error")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    TURN_ERROR_FIELD_NUMBER: _ClassVar[int]
     started: ChatStarted
     accepted: Accepted
     delta: Delta
     done: Done
-    def __init__(self, started: _Optional[_Union[ChatStarted, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+    turn_error: TurnError
+    def __init__(self, started: _Optional[_Union[ChatStarted, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., turn_error: _Optional[_Union[TurnError, _Mapping]] = ...) -> None: ...
+
+class TurnError(_message.Message):
+    __slots__ = ("code", "reason", "message", "retry_after_ms", "request_id")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    reason: str
+    message: str
+    retry_after_ms: int
+    request_id: str
+    def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ChatStarted(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,202 @@
+"""Thin adapters from the concrete upstreams / admission to the core's ports (`ports.py`).
+
+`app.py` wires these; tests wire fakes instead. Nothing here decides anything: the engine pool
+is exposed as snapshots + address-keyed calls, the detokenizer session gains `next_ready()`, and
+today's lease-based `Admission` + heartbeats become `admit() -> Grant`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from services.logging import get_logger
+
+from .ports import Broken, ChunkSource, DetokSessionPort, ReplicaSnapshot
+from .types import DetokOut, Sampling, Usage
+
+log = get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------------- engines
+class EnginesAdapter:
+    """`ports.EngineStream` over `upstreams.EnginePool`."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self._by_address = {r.address: r for r in pool.replicas}
+
+    def snapshots(self) -> Sequence[ReplicaSnapshot]:
+        if hasattr(self.pool, "snapshots"):
+            return self.pool.snapshots()  # type: ignore[no-any-return]
+        out = []
+        for r in self.pool.replicas:
+            load = r.load
+            out.append(ReplicaSnapshot(
+                r.address, healthy=r.healthy, serving=bool(getattr(r, "serving", getattr(load, "serving", True))),
+                in_flight=r.in_flight, queued=load.queued, active=load.active, max_active=load.max_active,
+                kv_used=load.kv_used, kv_total=load.kv_total))
+        return out
+
+    @property
+    def max_context(self) -> int:
+        return int(self.pool.max_context)
+
+    def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling,
+               eos_ids: list[int], cache_salt: str, trace_context: dict[str, str]) -> ChunkSource:
+        replica = self._by_address[address]
+        return replica.submit(request_id, prompt, sampling, eos_ids, cache_salt, trace_context)  # type: ignore[no-any-return]
+
+    def abort(self, address: str, request_id: str) -> None:
+        self._by_address[address].abort(request_id)
+
+    def release(self, address: str, request_id: str) -> None:
+        self._by_address[address].release(request_id)
+
+    def mark_failed(self, address: str) -> None:
+        self.pool.mark_failed(self._by_address[address])
+
+
+# ------------------------------------------------------------------------------------ detokenizer
+class _DetokSession:
+    """Adds `next_ready()` to an upstream `DetokSession` (whose `.queue` holds its outputs)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.start = inner.start
+        self.send = inner.send
+        self.fail = inner.fail
+        self.close = inner.close
+
+    async def next_ready(self) -> list[DetokOut | Broken]:
+        queue: asyncio.Queue[Any] = self._inner.queue
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        return items
+
+
+class DetokenizeAdapter:
+    """`ports.Detokenize` over `upstreams.TokenizerUpstream` (uses its own `next_ready` if it has one)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def detokenizer(self, request_id: str) -> DetokSessionPort:
+        session = self.tokenizer.detokenizer(request_id)
+        if hasattr(session, "next_ready"):
+            return session  # type: ignore[no-any-return]
+        return _DetokSession(session)
+
+
+# -------------------------------------------------------------------------------------- admission
+class LeaseStore(Protocol):
+    """What `admission.Admission` offers today."""
+
+    settings: Any
+
+    async def acquire(self, tenant: str, request_id: str, limit: int) -> int: ...
+
+    async def heartbeat(self, tenant: str, request_id: str) -> bool: ...
+
+    async def release(self, tenant: str, request_id: str) -> None: ...
+
+
+class _LeaseGrant:
+    def __init__(self, store: LeaseStore, tenant: str, request_id: str, heartbeat: float) -> None:
+        self._store, self._tenant, self._request_id = store, tenant, request_id
+        self._settled = False
+        # admission.Admission keeps every lease of the process alive from one task (its LeaseBook).
+        self._book = getattr(store, "leases", None)
+        if self._book is not None:
+            self._book.add(tenant, request_id)
+            heartbeat = 0
+        self._beat = asyncio.create_task(self._heartbeats(heartbeat)) if heartbeat > 0 else None
+
+    async def _heartbeats(self, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                if not await self._store.heartbeat(self._tenant, self._request_id):
+                    log.warning("lease_lost", request_id=self._request_id)
+            except Exception as exc:  # noqa: BLE001 - a missed beat is logged; the TTL covers it
+                log.warning("lease_heartbeat_failed", request_id=self._request_id, error=str(exc))
+
+    async def settle(self, usage: Usage) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        if self._beat is not None:
+            self._beat.cancel()
+        if self._book is not None:
+            self._book.discard(self._tenant, self._request_id)
+        await _release(self._store, self._tenant, self._request_id)
+
+
+_background: set[asyncio.Task[None]] = set()
+
+
+async def _release(store: LeaseStore, tenant: str, request_id: str) -> None:
+    try:
+        await store.release(tenant, request_id)
+    except Exception as exc:  # noqa: BLE001 - logged, never swallowed silently; the TTL frees it
+        log.warning("lease_release_failed", tenant=tenant, request_id=request_id, error=str(exc))
+
+
+def _release_later(store: LeaseStore, tenant: str, request_id: str) -> None:
+    """Release from a task of its own: the caller is being cancelled and cannot await."""
+    task = asyncio.get_running_loop().create_task(_release(store, tenant, request_id))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+class LeaseAdmission:
+    """`ports.Admission` over a `LeaseStore`: a lease per request, heartbeated, released at settle.
+    A cancel or deadline that lands while the lease is being taken releases it (it may have
+    been granted in Redis by then), so no lease outlives its request."""
+
+    def __init__(self, store: LeaseStore) -> None:
+        self.store = store
+
+    async def admit(self, tenant: str, request_id: str, limit: int, cost: int) -> _LeaseGrant:
+        try:
+            await self.store.acquire(tenant, request_id, limit)
+        except asyncio.CancelledError:
+            _release_later(self.store, tenant, request_id)
+            raise
+        settings = getattr(self.store, "settings", None)
+        heartbeat = float(getattr(settings, "heartbeat", 0) or 0)
+        return _LeaseGrant(self.store, tenant, request_id, heartbeat)
+
+
+# --------------------------------------------------------------------------------------- overload
+class _NoTicket:
+    def exit(self) -> None:
+        return None
+
+
+class NoGate:
+    """The `ports.LoadGate` used when none is wired: admits everything."""
+
+    _ticket = _NoTicket()
+
+    def enter(self) -> _NoTicket:
+        return self._ticket
+
+
+def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeout: float = 600.0,
+                 engine_attempts: int = 2, progress_timeout: float = 10.0, bounds: Any = None,
+                 registry: Any = None, affinity: Any = None, gate: Any = None, placement: Any = None) -> Any:
+    """A `pipeline.Router` over the concrete upstreams (`TokenizerUpstream`, `EnginePool`) and a
+    lease store (`admission.Admission`); registry / affinity / gate / placement default to the
+    in-process ones. `app.py` and the tests wire through this."""
+    from .pipeline import Ports, Router, RouterOptions
+    from .placement import LeastLoaded, LocalSessionAffinity
+    from .request import LocalRequestRegistry
+    from .validation import DEFAULT_BOUNDS
+
+    ports = Ports(tokenizer, DetokenizeAdapter(tokenizer), EnginesAdapter(engines), LeaseAdmission(admission),
+                  placement or LeastLoaded(), affinity or LocalSessionAffinity(),
+                  registry or LocalRequestRegistry(), gate or NoGate())
+    return Router(ports, RouterOptions(request_timeout, engine_attempts, progress_timeout, bounds or DEFAULT_BOUNDS))

@@ -1,0 +1,109 @@
+"""One owner of a request's state, and the in-process request registry.
+
+`RequestState` is what every stage of the pipeline reads and updates: who asked (tenant-scoped
+id), how urgent (priority, absolute deadline), what it costs (prompt + max_tokens), what was
+generated, where it runs (replica, attempts) and when things happened (t_arrival is when the
+servicer got the call, so TTFT and queue time include any wait before the handler ran).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.errors import Reason, TokenrelayError
+
+from .types import GenerateInput, Timings, Usage
+
+
+@dataclass
+class RequestState:
+    tenant: str
+    request_id: str
+    inp: GenerateInput
+    priority: int
+    deadline: float                       # absolute, time.monotonic()
+    t_arrival: float                      # when the servicer got the call
+    prompt_ids: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+    replica: str = ""                     # the attempt's replica address ("" before placement)
+    attempts: list[str] = field(default_factory=list)   # replicas tried, in order
+    last_error: TokenrelayError | None = None
+    engine_done: bool = False
+    finish_reason: str = "length"
+    t_tokenized: float = 0.0
+    t_admitted: float = 0.0
+    t_first: float | None = None
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    # The id on the engine and detokenizer streams: unique per request, so two tenants' (or two
+    # routers') identical client ids never meet upstream.
+    upstream_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The tenant-scoped id."""
+        return (self.tenant, self.request_id)
+
+    @property
+    def cost(self) -> int:
+        """Tokens this request may occupy: prompt + max_tokens (an estimate before tokenizing)."""
+        return len(self.prompt_ids) + self.inp.sampling.max_tokens
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set()
+
+    @property
+    def first_token_seen(self) -> bool:
+        return bool(self.generated)
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def check_deadline(self) -> None:
+        if time.monotonic() >= self.deadline:
+            raise Reason.DEADLINE_EXCEEDED.error("the request's deadline passed")
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class LocalRequestRegistry:
+    """`ports.RequestRegistry` for one router process: (tenant, id) → cancel callbacks.
+
+    Atomic by construction (one event loop, no await between test and set). Tenants never see
+    each other's ids: the key is the pair."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str], list[Callable[[], None]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    async def claim(self, tenant: str, request_id: str) -> bool:
+        key = (tenant, request_id)
+        if key in self._held:
+            return False
+        self._held[key] = []
+        return True
+
+    async def release(self, tenant: str, request_id: str) -> None:
+        self._held.pop((tenant, request_id), None)
+
+    async def cancel(self, tenant: str, request_id: str) -> bool:
+        callbacks = self._held.get((tenant, request_id))
+        if callbacks is None:
+            return False
+        for callback in list(callbacks):
+            callback()
+        return True
+
+    def on_cancel(self, tenant: str, request_id: str, callback: Callable[[], None]) -> None:
+        callbacks = self._held.get((tenant, request_id))
+        if callbacks is not None:
+            callbacks.append(callback)

@@ -1,0 +1,189 @@
+"""Fakes of the request core's ports (no network): scripted engines, a detokenizer, admission."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router_svc.pipeline import Ports, Router, RouterOptions
+from router_svc.ports import ReplicaSnapshot
+from router_svc.tenants import Tenant
+from router_svc.types import DetokOut, EngineChunk, Sampling, TokenizerMeta, Usage
+from services.errors import Reason, TokenrelayError
+from services.mux import StreamBroken
+
+TENANT = Tenant(name="t", api_key_sha256="0" * 64)
+OTHER = Tenant(name="u", api_key_sha256="1" * 64)
+META = TokenizerMeta("fake", 1000, [2], None, 4096, True)
+
+
+class FakeTokenizer:
+    def __init__(self) -> None:
+        self.meta = META
+        self.gate: asyncio.Event | None = None   # when set: tokenize waits for it
+        self.calls = 0
+
+    async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
+                       timeout: float | None = None, cache_key: str = "") -> list[int]:
+        self.calls += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        source = text if text is not None else "".join(c for _, c in messages or [])
+        return [10 + (ord(ch) % 50) for ch in source] or [10]
+
+
+class FakeDetokSession:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.closed: bool | None = None
+        self.started = False
+
+    def start(self, stop: list[str], include_stop: bool, prefix_ids: list[int],
+              trace_context: dict[str, str]) -> None:
+        self.started = True
+
+    def send(self, token_ids: list[int], final: bool) -> None:
+        self.queue.put_nowait(DetokOut("".join(f"<{t}>" for t in token_ids), final))
+
+    async def next_ready(self) -> list[object]:
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+    def fail(self, error: Exception) -> None:
+        self.queue.put_nowait(StreamBroken(error))  # type: ignore[arg-type]
+
+    def close(self, flushed: bool) -> None:
+        self.closed = flushed
+
+
+class FakeDetokenize:
+    def __init__(self) -> None:
+        self.sessions: dict[str, FakeDetokSession] = {}
+
+    def detokenizer(self, request_id: str) -> FakeDetokSession:
+        session = self.sessions[request_id] = FakeDetokSession(request_id)
+        return session
+
+
+class FakeSource:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def get(self) -> object:
+        return await self.queue.get()
+
+    def tokens(self, *ids: int, finished: bool = False) -> None:
+        self.queue.put_nowait(EngineChunk(list(ids), finished, "length" if finished else ""))
+
+    def error(self, reason: Reason, message: str = "") -> None:
+        self.queue.put_nowait(EngineChunk([], True, "", 0, str(reason), message or str(reason)))
+
+    def broken(self) -> None:
+        self.queue.put_nowait(StreamBroken(Reason.UPSTREAM_UNAVAILABLE.error("stream broke")))
+
+
+# What a replica does with each submitted request: "ok" (3 tokens then done), "hang", "broken",
+# an in-band Reason, or "manual" (the test drives the FakeSource).
+@dataclass
+class FakeReplica:
+    address: str
+    behaviour: list[object] = field(default_factory=lambda: ["ok"])
+    healthy: bool = True
+    serving: bool = True
+    in_flight: int = 0
+    submitted: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    sources: dict[str, FakeSource] = field(default_factory=dict)
+
+
+def uid(c: Core, request_id: str, tenant: str = "t") -> str:
+    """The upstream id of a live request (what the engine and detokenizer see)."""
+    state = c.router.live(tenant, request_id)
+    assert state is not None
+    return state.upstream_id
+
+
+class FakeEngines:
+    def __init__(self, *replicas: FakeReplica) -> None:
+        self.replicas = {r.address: r for r in replicas}
+        self.failed: list[str] = []
+
+    def snapshots(self) -> Sequence[ReplicaSnapshot]:
+        return [ReplicaSnapshot(r.address, r.healthy, r.serving, r.in_flight) for r in self.replicas.values()]
+
+    @property
+    def max_context(self) -> int:
+        return 4096
+
+    def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling,
+               eos_ids: list[int], cache_salt: str, trace_context: dict[str, str]) -> FakeSource:
+        r = self.replicas[address]
+        r.submitted.append(request_id)
+        r.in_flight += 1
+        source = r.sources[request_id] = FakeSource()
+        what = r.behaviour.pop(0) if len(r.behaviour) > 1 else r.behaviour[0]
+        if what == "ok":
+            source.tokens(101, 102)
+            source.tokens(103, finished=True)
+        elif what == "broken":
+            source.broken()
+        elif isinstance(what, Reason):
+            source.error(what)
+        return source
+
+    def abort(self, address: str, request_id: str) -> None:
+        self.replicas[address].aborted.append(request_id)
+
+    def release(self, address: str, request_id: str) -> None:
+        r = self.replicas[address]
+        if request_id not in r.released:
+            r.in_flight -= 1
+        r.released.append(request_id)
+
+    def mark_failed(self, address: str) -> None:
+        self.failed.append(address)
+        self.replicas[address].healthy = False
+
+
+class FakeGrant:
+    def __init__(self, admission: FakeAdmission, key: tuple[str, str]) -> None:
+        self.admission, self.key = admission, key
+
+    async def settle(self, usage: Usage) -> None:
+        self.admission.held.discard(self.key)
+
+
+class FakeAdmission:
+    def __init__(self) -> None:
+        self.held: set[tuple[str, str]] = set()
+        self.gate: asyncio.Event | None = None
+        self.refuse: TokenrelayError | None = None
+
+    async def admit(self, tenant: str, request_id: str, limit: int, cost: int) -> FakeGrant:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.refuse is not None:
+            raise self.refuse
+        self.held.add((tenant, request_id))
+        return FakeGrant(self, (tenant, request_id))
+
+
+@dataclass
+class Core:
+    router: Router
+    tokenizer: FakeTokenizer
+    detok: FakeDetokenize
+    engines: FakeEngines
+    admission: FakeAdmission
+
+
+def core(*replicas: FakeReplica, **options: object) -> Core:
+    tok, detok, admission = FakeTokenizer(), FakeDetokenize(), FakeAdmission()
+    engines = FakeEngines(*(replicas or (FakeReplica("e1"),)))
+    router = Router(Ports(tok, detok, engines, admission), RouterOptions(**options))  # type: ignore[arg-type]
+    return Core(router, tok, detok, engines, admission)

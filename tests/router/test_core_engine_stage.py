@@ -1,0 +1,114 @@
+"""The engine stage's attempt rules, with fake ports (no network).
+
+Before the first token a retryable failure (stream broken, in-band OVERLOADED, SHUTTING_DOWN,
+ENGINE_UNAVAILABLE, silence past the progress timeout) is retried on another replica and never
+reaches the client; after it, or when the attempts are spent, or for a non-retryable reason, the
+request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from router_svc.types import Delta, Done, GenerateInput, Sampling
+from services.errors import Reason, TokenrelayError
+from tests.router.core_fakes import TENANT, FakeReplica, core, uid
+from tests.waiting import poll
+
+
+def _inp(**kw: Any) -> GenerateInput:
+    return GenerateInput(Sampling(max_tokens=8), prompt="hi", **kw)
+
+
+async def _run(router: Any, inp: GenerateInput, deadline: float | None = None) -> list[Any]:
+    return [e async for e in router.generate(TENANT, inp, deadline)]
+
+
+@pytest.mark.parametrize("failure", ["broken", Reason.OVERLOADED, Reason.SHUTTING_DOWN, Reason.ENGINE_UNAVAILABLE])
+async def test_a_retryable_failure_before_the_first_token_is_retried_elsewhere(failure: object) -> None:
+    c = core(FakeReplica("bad", [failure]), FakeReplica("good", ["ok"], in_flight=5))
+    events = await _run(c.router, _inp(request_id="r"))
+    assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 3
+    bad, good = c.engines.replicas["bad"].submitted, c.engines.replicas["good"].submitted
+    assert len(bad) == 1 and good == bad     # the same request, tried on the other
+    # a busy replica stays in the pool; a broken or draining one takes no new work
+    assert (c.engines.failed == ["bad"]) == (failure != Reason.OVERLOADED)
+
+
+async def test_a_non_retryable_engine_error_fails_at_once() -> None:
+    c = core(FakeReplica("a", [Reason.INVALID_SAMPLING]), FakeReplica("b", in_flight=5))
+    with pytest.raises(TokenrelayError) as info:
+        await _run(c.router, _inp())
+    assert info.value.reason == Reason.INVALID_SAMPLING
+    assert c.engines.replicas["b"].submitted == []
+
+
+async def test_attempts_are_bounded_and_the_client_hears_the_last_reason() -> None:
+    c = core(FakeReplica("a", ["broken"]), FakeReplica("b", ["broken"], in_flight=1),
+             FakeReplica("c", ["ok"], in_flight=2), engine_attempts=2)
+    with pytest.raises(TokenrelayError) as info:
+        await _run(c.router, _inp())
+    assert info.value.reason == Reason.UPSTREAM_UNAVAILABLE
+    assert c.engines.replicas["c"].submitted == []
+
+
+async def test_with_no_replica_left_the_client_hears_why_the_last_failed_not_no_replica() -> None:
+    c = core(FakeReplica("a", [Reason.OVERLOADED]), engine_attempts=3)
+    with pytest.raises(TokenrelayError) as info:
+        await _run(c.router, _inp())
+    assert info.value.reason == Reason.OVERLOADED
+
+
+async def test_a_failure_after_the_first_token_is_not_retried() -> None:
+    c = core(FakeReplica("a", ["manual"]), FakeReplica("b", in_flight=5))
+    gen = c.router.generate(TENANT, _inp(request_id="r"))
+    await anext(gen)                                     # accepted
+    delta = asyncio.ensure_future(anext(gen))
+    source = await poll(lambda: c.engines.replicas["a"].sources.get(uid(c, "r")))
+    source.tokens(101)
+    assert isinstance(await delta, Delta)
+    source.broken()
+    with pytest.raises(TokenrelayError) as info:
+        await anext(gen)
+    assert info.value.reason == Reason.UPSTREAM_UNAVAILABLE
+    assert c.engines.replicas["b"].submitted == []
+
+
+async def test_silence_before_the_first_token_is_retried_on_another_replica() -> None:
+    c = core(FakeReplica("mute", ["hang"]), FakeReplica("b", ["ok"], in_flight=5), progress_timeout=0.2)
+    events = await _run(c.router, _inp(request_id="r"))
+    assert isinstance(events[-1], Done)
+    mute = c.engines.replicas["mute"]
+    assert len(mute.aborted) == 1 and mute.aborted == mute.submitted
+
+
+async def test_a_stall_after_the_first_token_fails_with_engine_stalled() -> None:
+    c = core(FakeReplica("a", ["manual"]), progress_timeout=0.2)
+    gen = c.router.generate(TENANT, _inp(request_id="r"))
+    await anext(gen)
+    delta = asyncio.ensure_future(anext(gen))
+    source = await poll(lambda: c.engines.replicas["a"].sources.get(uid(c, "r")))
+    source.tokens(101)
+    assert isinstance(await delta, Delta)
+    with pytest.raises(TokenrelayError) as info:
+        await anext(gen)
+    assert info.value.reason == Reason.ENGINE_STALLED and info.value.retryable
+    assert c.engines.replicas["a"].aborted == c.engines.replicas["a"].submitted
+
+
+async def test_a_draining_replica_gets_no_new_work() -> None:
+    c = core(FakeReplica("drain", serving=False), FakeReplica("b", in_flight=9))
+    await _run(c.router, _inp(request_id="r"))
+    assert c.engines.replicas["drain"].submitted == []
+
+
+async def test_a_session_sticks_to_its_replica() -> None:
+    c = core(FakeReplica("a"), FakeReplica("b"))
+    await _run(c.router, _inp(request_id="1", session_id="s"))
+    first = next(r for r in c.engines.replicas.values() if r.submitted)
+    first.in_flight += 10    # now the more loaded one: the session still goes there
+    await _run(c.router, _inp(request_id="2", session_id="s"))
+    assert len(first.submitted) == 2
