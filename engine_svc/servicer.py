@@ -36,13 +36,14 @@ def chunk_to_proto(c: Chunk) -> engine_pb2.TokenChunk:
         error_reason=c.error_reason, error_message=c.error_message)
 
 
-def load_to_proto(s: LoadSnapshot) -> engine_pb2.LoadReport:
+def load_to_proto(s: LoadSnapshot, draining: bool = False) -> engine_pb2.LoadReport:
     return engine_pb2.LoadReport(
         backend=s.backend, model=s.model, active_requests=s.active, queued_requests=s.queued,
         max_active_requests=s.max_active, kv_blocks_total=s.kv_blocks_total,
         kv_blocks_used=s.kv_blocks_used, tokens_per_block=s.tokens_per_block,
         max_context=s.max_context, prompt_tokens_total=s.prompt_tokens_total,
-        cached_tokens_total=s.cached_tokens_total, generated_tokens_total=s.generated_tokens_total)
+        cached_tokens_total=s.cached_tokens_total, generated_tokens_total=s.generated_tokens_total,
+        draining=draining)
 
 
 async def _inbound(messages: AsyncIterator[engine_pb2.EngineInbound]) -> AsyncIterator[Inbound]:
@@ -61,7 +62,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # even while this generator is parked in a write and never resumed.
         context.add_done_callback(lambda _ctx: session.close())
         async for chunks in session.run(_inbound(request_iterator)):
-            yield engine_pb2.EngineOutbound(chunks=[chunk_to_proto(c) for c in chunks])
+            message = engine_pb2.EngineOutbound(chunks=[chunk_to_proto(c) for c in chunks])
+            report = session.take_load()
+            if report is not None:
+                message.load.CopyFrom(load_to_proto(*report))
+            yield message
 
     async def Abort(self, request: engine_pb2.EngineAbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.EngineAbortResponse:
@@ -69,4 +74,4 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def GetLoad(self, request: engine_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.LoadReport:
-        return load_to_proto(self._engine.load())
+        return load_to_proto(self._engine.load(), self._engine.draining)

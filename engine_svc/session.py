@@ -13,13 +13,14 @@ live, freeing its engine slot and KV.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
 
-from .backends.base import GenerationEvent, GenerationRequest
+from .backends.base import GenerationEvent, GenerationRequest, LoadSnapshot
 from .engine import Engine
 from .outbox import Chunk, Outbox
 from .telemetry import RequestTelemetry
@@ -35,9 +36,17 @@ class Inbound:
     abort: list[str] = field(default_factory=list)
 
 
+# Seconds between load reports piggybacked on a busy stream (a report goes only when the load
+# changed; the first message and the start of a drain always carry one).
+LOAD_REPORT_INTERVAL = 0.05
+
+
 class StreamSession:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, load_interval: float = LOAD_REPORT_INTERVAL) -> None:
         self._engine = engine
+        self._load_interval = load_interval
+        self._load_at = -1e18
+        self._load_last: tuple[LoadSnapshot, bool] | None = None
         self.outbox = Outbox()
         self._live: set[str] = set()
         self._reader: asyncio.Task[None] | None = None
@@ -47,6 +56,24 @@ class StreamSession:
     @property
     def live(self) -> int:
         return len(self._live)
+
+    def take_load(self) -> tuple[LoadSnapshot, bool] | None:
+        """The engine's (load, draining) if a report is due on the next message, else None: at
+        most every `load_interval` and only when it changed; a drain that started is due at once."""
+        draining = self._engine.draining
+        drain_news = draining and not (self._load_last is not None and self._load_last[1])
+        now = time.monotonic()
+        if not drain_news and now - self._load_at < self._load_interval:
+            return None
+        report = (self._engine.load(), draining)
+        self._load_at = now
+        if report == self._load_last:
+            return None
+        self._load_last = report
+        return report
+
+    def _drain_unreported(self) -> bool:
+        return self._engine.draining and not (self._load_last is not None and self._load_last[1])
 
     def submit(self, request: GenerationRequest) -> None:
         rid = request.request_id
@@ -100,7 +127,7 @@ class StreamSession:
             while True:
                 await self.outbox.wait()
                 chunks = self.outbox.drain()
-                if chunks:
+                if chunks or self._drain_unreported():   # a drain is told even with no tokens
                     yield chunks
                 if ((self._inbound_done or self._engine.draining) and not self._live
                         and self.outbox.empty):

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.errors import Reason, TokenrelayError, from_rpc_error
+from services.errors import Reason, TokenrelayError
+from services.mux import stream_error
 from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tracing import inject
 from services.wire import unpack_ids
@@ -131,7 +132,7 @@ class TokenizeCoalescer:
             if len(batch) > 1 and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 await asyncio.gather(*(self._call([w]) for w in batch))  # isolate the bad input
                 return
-            _fail(batch, from_rpc_error(exc))
+            _fail(batch, stream_error(exc, "tokenizer"))
             return
         except asyncio.CancelledError:  # the router is closing: nobody waits forever
             _fail(batch, Reason.SHUTTING_DOWN.error("router is shutting down"))

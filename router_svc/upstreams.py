@@ -18,9 +18,9 @@ from typing import Any
 import grpc
 
 from services.channels import open_channel
-from services.errors import Reason, from_rpc_error
+from services.errors import Reason
 from services.logging import get_logger
-from services.mux import MuxClient, StreamBroken
+from services.mux import Inbox, MuxClient, StreamBroken, stream_error
 from services.proto.tokenrelay.v1 import (
     common_pb2,
     engine_pb2,
@@ -31,18 +31,21 @@ from services.proto.tokenrelay.v1 import (
 from services.security import PLAINTEXT, SecuritySettings
 from services.wire import FINISH_NAMES
 
+from .ports import ReplicaSnapshot
 from .tokenize_batch import MAX_BYTES, MAX_CALLS, TokenizeCoalescer
 from .types import DetokOut, EngineChunk, Sampling, TokenizerMeta
 
 log = get_logger(__name__)
 
+# How long a busy router may hold a request's new engine tokens so that they travel on together
+# (services/mux.py): at most one delta per request per WAKE_DELAY while the loop lags.
+WAKE_DELAY = 0.02
+
 
 
 def _rpc(exc: grpc.aio.AioRpcError, what: str) -> Exception:
-    err = from_rpc_error(exc)
-    if err.reason in (Reason.UPSTREAM_UNAVAILABLE, Reason.DEADLINE_EXCEEDED):
-        err.message = f"{what}: {err.message}"
-    return err
+    # One translation for every call to an upstream (mux streams and Tokenize use it too).
+    return stream_error(exc, what)
 
 
 # ---------------------------------------------------------------------------------------- tokenizer
@@ -51,9 +54,21 @@ def _detok_build(pending: dict[str, list[Any]]) -> tokenizer_pb2.DetokenizeReque
                                            close=pending.get("close", []))
 
 
-def _detok_split(resp: tokenizer_pb2.DetokenizeResponse) -> list[tuple[str, DetokOut]]:
-    return [(o.request_id, DetokOut(o.text, o.finished, o.matched_stop, o.tokens_consumed, o.error))
-            for o in resp.outputs]
+def _detok_split(resp: tokenizer_pb2.DetokenizeResponse) -> list[tuple[str, tokenizer_pb2.DetokOutput]]:
+    return [(o.request_id, o) for o in resp.outputs]
+
+
+def _detok_out(o: tokenizer_pb2.DetokOutput) -> DetokOut:
+    return DetokOut(o.text, o.finished, o.matched_stop, o.tokens_consumed, o.error)
+
+
+def _detok_merge(pending: DetokOut, o: tokenizer_pb2.DetokOutput) -> bool:
+    """Append new text to the request's output that has not been taken yet (services/mux.py)."""
+    if pending.finished or pending.error or o.finished or o.error or o.matched_stop:
+        return False
+    pending.text += o.text
+    pending.tokens_consumed = o.tokens_consumed
+    return True
 
 
 class DetokSession:
@@ -78,6 +93,10 @@ class DetokSession:
     async def next(self) -> DetokOut | StreamBroken:
         return await self.queue.get()
 
+    async def next_ready(self) -> list[DetokOut | StreamBroken]:
+        """Every output ready now, waiting only when none is (one client write carries them all)."""
+        return await self.queue.get_ready()
+
     def fail(self, error: Exception) -> None:
         self.queue.put_nowait(StreamBroken(error))  # type: ignore[arg-type]
 
@@ -100,7 +119,8 @@ class TokenizerUpstream:
         self._stubs = [tokenizer_pb2_grpc.TokenizerStub(c) for c in self._channels]
         self._rr = itertools.cycle(range(len(addresses)))
         self._muxes: list[MuxClient[DetokOut]] = [
-            MuxClient(f"detok-{a}", stub.Detokenize, _detok_build, _detok_split)
+            MuxClient(f"detok-{a}", stub.Detokenize, _detok_build, _detok_split, convert=_detok_out,
+                      merge=_detok_merge)
             for a, stub in zip(addresses, self._stubs, strict=True)]
         self._batchers = [TokenizeCoalescer(stub, timeout, max_calls=max_calls, max_bytes=max_bytes)
                           for stub in self._stubs]
@@ -150,10 +170,26 @@ def _engine_build(pending: dict[str, list[Any]]) -> engine_pb2.EngineInbound:
     return engine_pb2.EngineInbound(submit=pending.get("submit", []), abort=pending.get("abort", []))
 
 
-def _engine_split(resp: engine_pb2.EngineOutbound) -> list[tuple[str, EngineChunk]]:
-    return [(c.request_id, EngineChunk(list(c.token_ids), c.finished, FINISH_NAMES.get(c.finish_reason, ""),
-                                       c.cached_tokens, c.error_reason, c.error_message))
-            for c in resp.chunks]
+def _engine_split(resp: engine_pb2.EngineOutbound) -> list[tuple[str, engine_pb2.TokenChunk]]:
+    return [(c.request_id, c) for c in resp.chunks]
+
+
+def _engine_chunk(c: engine_pb2.TokenChunk) -> EngineChunk:
+    return EngineChunk(list(c.token_ids), c.finished, FINISH_NAMES.get(c.finish_reason, "") if c.finished else "",
+                       c.cached_tokens, c.error_reason, c.error_message)
+
+
+def _engine_merge(pending: EngineChunk, c: engine_pb2.TokenChunk) -> bool:
+    """Fold plain new tokens into the request's chunk that has not been taken yet (services/mux.py)."""
+    if pending.finished or c.finished or c.cached_tokens or not pending.token_ids:
+        return False
+    pending.token_ids.extend(c.token_ids)
+    return True
+
+
+def _load_from_proto(r: engine_pb2.LoadReport) -> ReplicaLoad:
+    return ReplicaLoad(r.active_requests, r.queued_requests, r.max_active_requests, r.kv_blocks_used,
+                       r.kv_blocks_total, r.max_context)
 
 
 @dataclass
@@ -171,16 +207,40 @@ class EngineReplica:
     address: str
     channel: grpc.aio.Channel
     stub: engine_pb2_grpc.EngineStub
-    mux: MuxClient[EngineChunk]
+    mux: MuxClient[EngineChunk] = field(init=False)
     healthy: bool = True
+    serving: bool = True          # False while the engine drains: it gets no new work
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    load_reports: int = 0         # reports received on the stream (not the poll)
+    wake_delay: float = WAKE_DELAY
+
+    def __post_init__(self) -> None:
+        self.mux = MuxClient(f"engine-{self.address}", self.stub.Stream, _engine_build, _engine_split,
+                             on_message=self._on_message, max_wake_delay=self.wake_delay, convert=_engine_chunk,
+                             merge=_engine_merge)
+
+    def _on_message(self, resp: engine_pb2.EngineOutbound) -> None:
+        if resp.HasField("load"):   # load rides on the stream (module doc of engine.proto)
+            self.apply_load(resp.load)
+            self.load_reports += 1
+
+    def apply_load(self, r: engine_pb2.LoadReport) -> None:
+        self.load = _load_from_proto(r)
+        if self.serving == r.draining:
+            log.info("engine_draining" if r.draining else "engine_serving", address=self.address)
+        self.serving = not r.draining
 
     @property
     def in_flight(self) -> int:
         return self.mux.open_requests
 
+    def snapshot(self) -> ReplicaSnapshot:
+        load = self.load
+        return ReplicaSnapshot(self.address, self.healthy, self.serving, self.in_flight, load.queued, load.active,
+                               load.max_active, load.kv_used, load.kv_total)
+
     def submit(self, request_id: str, prompt: list[int], sampling: Sampling, eos_ids: list[int],
-               cache_salt: str, trace_context: dict[str, str]) -> asyncio.Queue[EngineChunk | StreamBroken]:
+               cache_salt: str, trace_context: dict[str, str]) -> Inbox[EngineChunk]:
         queue = self.mux.open(request_id)
         params = common_pb2.SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -208,16 +268,15 @@ class EnginePool:
     """
 
     def __init__(self, addresses: list[str], poll_interval: float, session_capacity: int = 100_000, *,
-                 security: SecuritySettings = PLAINTEXT) -> None:
+                 security: SecuritySettings = PLAINTEXT, wake_delay: float = WAKE_DELAY) -> None:
         if not addresses:
             raise ValueError("at least one engine address is required")
         self.replicas: list[EngineReplica] = []
         for address in addresses:
             channel = open_channel(address, security)
-            stub = engine_pb2_grpc.EngineStub(channel)
-            mux: MuxClient[EngineChunk] = MuxClient(f"engine-{address}", stub.Stream, _engine_build,
-                                                    _engine_split)
-            self.replicas.append(EngineReplica(address, channel, stub, mux))
+            self.replicas.append(EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel),
+                                               wake_delay=wake_delay))
+        self._by_address = {r.address: r for r in self.replicas}
         self._poll_interval = poll_interval
         self._sessions: OrderedDict[str, EngineReplica] = OrderedDict()
         self._session_capacity = session_capacity
@@ -241,8 +300,7 @@ class EnginePool:
         if not replica.healthy:
             log.info("engine_healthy", address=replica.address)
         replica.healthy = True
-        replica.load = ReplicaLoad(r.active_requests, r.queued_requests, r.max_active_requests,
-                                   r.kv_blocks_used, r.kv_blocks_total, r.max_context)
+        replica.apply_load(r)
 
     async def _poll_forever(self) -> None:
         while True:
@@ -260,7 +318,7 @@ class EnginePool:
             if held is not None and held.healthy and held.address not in exclude:
                 self._sessions.move_to_end(session_id)
                 return held
-        candidates = [r for r in self.replicas if r.healthy and r.address not in exclude]
+        candidates = [r for r in self.replicas if r.healthy and r.serving and r.address not in exclude]
         if not candidates:
             raise Reason.NO_HEALTHY_REPLICA.error("no healthy engine replica")
         chosen = min(candidates, key=lambda r: (r.in_flight + r.load.queued, r.load.active))
@@ -271,8 +329,32 @@ class EnginePool:
                 self._sessions.popitem(last=False)
         return chosen
 
-    def mark_failed(self, replica: EngineReplica) -> None:
+    def mark_failed(self, replica: EngineReplica | str) -> None:
+        """The replica's stream broke or stalled: no new work until a poll sees it healthy."""
+        replica = self._by_address[replica] if isinstance(replica, str) else replica
         replica.healthy = False
+
+    # -- ports.EngineStream --------------------------------------------------------------------
+    def snapshots(self) -> list[ReplicaSnapshot]:
+        return [r.snapshot() for r in self.replicas]
+
+    def replica(self, address: str) -> EngineReplica:
+        try:
+            return self._by_address[address]
+        except KeyError:
+            raise Reason.NO_HEALTHY_REPLICA.error(f"no engine replica {address!r}") from None
+
+    def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling, eos_ids: list[int],
+               cache_salt: str, trace_context: dict[str, str]) -> Inbox[EngineChunk]:
+        """Submit on the replica at `address`; chunks arrive in the returned inbox (`get()` one,
+        `get_ready()` every chunk ready now)."""
+        return self.replica(address).submit(request_id, prompt, sampling, eos_ids, cache_salt, trace_context)
+
+    def abort(self, address: str, request_id: str) -> None:
+        self.replica(address).abort(request_id)
+
+    def release(self, address: str, request_id: str) -> None:
+        self.replica(address).release(request_id)
 
     async def close(self) -> None:
         if self._poller is not None:

@@ -3,22 +3,41 @@
 The engine's `Stream` and the tokenizer's `Detokenize` both carry many requests per message in
 both directions, because one Python gRPC message costs ~100 µs of CPU. `MuxClient` owns one such
 stream: callers `post()` items, a sender coalesces every item posted since its last write into
-one request message, and a reader fans response items out to per-request queues by request id.
+one request message, and a reader fans response items out to per-request inboxes by request id.
 If the stream breaks, every open request receives a `StreamBroken` marker carrying a typed
 error, and the next `open()` starts a new stream.
+
+An `Inbox` is a plain buffer plus at most one waiter: the reader appends every item of a
+response message and wakes the request's consumer once (an `asyncio.Queue` costs a `call_soon`
+per item, the commonest asyncio cost in the router's profile); the consumer then takes
+everything that is ready with `get_ready()`, so a burst of chunks costs one task hop.
+
+Wake-ups under load (`max_wake_delay`): an upstream that produces faster than the loop consumes
+sends many small messages (one token per request each) that queue in gRPC's buffers; woken per
+message, every consumer runs its whole per-request path once per token, and the backlog grows.
+So the reader measures the loop's lag on its own wake-ups: while it is below `_BUSY_LAG`
+consumers are woken at once (the next loop turn: nothing waits when idle); once it is above,
+wake-ups are deferred by `max_wake_delay`, the reader takes the messages that arrive meanwhile
+and each consumer takes all of them in one turn: fewer, fuller messages downstream, at most one
+per request per `max_wake_delay`. A request's first item is never deferred (time to first token).
+
+Merging (`merge`): an item that arrives while the request's previous one still waits in its inbox
+may be folded into it (new tokens appended to the pending chunk), so a consumer that lags takes one
+item however many messages arrived, and no per-item object is built for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
 
-from services.errors import Reason, TokenrelayError, from_rpc_error
+from services.errors import REASON_KEY, Reason, TokenrelayError, from_rpc_error
 
 Item = TypeVar("Item")
 
@@ -28,42 +47,160 @@ class StreamBroken:
     error: TokenrelayError
 
 
+class Inbox(Generic[Item]):
+    """One request's response items: append without a hop, wake the one consumer once per burst.
+
+    Has the part of `asyncio.Queue`'s interface the router uses (`get`, `put_nowait`,
+    `get_nowait`, `empty`, `qsize`), plus `get_ready()`: every item ready now, waiting only when
+    there is none.
+    """
+
+    __slots__ = ("_items", "_waiter", "wakes")
+
+    def __init__(self) -> None:
+        self._items: deque[Item | StreamBroken] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.wakes = 0
+
+    def put_nowait(self, item: Item | StreamBroken) -> None:
+        self._items.append(item)
+        self.wake()
+
+    def append(self, item: Item | StreamBroken) -> bool:
+        """Buffer an item without waking; True if a consumer waits (the caller wakes it later)."""
+        self._items.append(item)
+        return self._waiter is not None
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self.wakes += 1
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+
+    async def get(self) -> Item | StreamBroken:
+        if not self._items:
+            await self._wait()
+        return self._items.popleft()
+
+    async def get_ready(self) -> list[Item | StreamBroken]:
+        """Every item ready now (in order); waits only when none is."""
+        if not self._items:
+            await self._wait()
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def last(self) -> Item | StreamBroken | None:
+        """The newest item not yet taken (None when empty): the one a merge may extend."""
+        return self._items[-1] if self._items else None
+
+    def get_nowait(self) -> Item | StreamBroken:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
+_BUSY_LAG = 0.001      # loop lag (s) above which the reader defers wake-ups (module doc)
+
+
+class _Waker:
+    """Wakes the inboxes that got items, once per flush; flushes at once while the loop keeps up,
+    after about its lag (at most `max_delay`) while it does not."""
+
+    def __init__(self, max_delay: float) -> None:
+        self._max_delay = max_delay
+        self._pending: list[Inbox[Any]] = []
+        self._due = 0.0                    # when the scheduled flush should run; 0 = none scheduled
+        self.lag = 0.0                     # smoothed lag of flushes (s)
+        self.flushes = 0
+
+    def add(self, inbox: Inbox[Any]) -> None:
+        self._pending.append(inbox)
+        if self._due:
+            return
+        loop = asyncio.get_running_loop()
+        delay = self._max_delay if self.lag > _BUSY_LAG else 0.0
+        self._due = loop.time() + delay
+        if delay:
+            loop.call_later(delay, self._flush)
+        else:
+            loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        late = asyncio.get_running_loop().time() - self._due
+        self.lag += (max(late, 0.0) - self.lag) * 0.25
+        self._due = 0.0
+        self.flushes += 1
+        pending, self._pending = self._pending, []
+        for inbox in pending:
+            inbox.wake()
+
+
 class MuxClient(Generic[Item]):
     """One multiplexed stream.
 
     ``open_call(request_iterator)`` starts the gRPC call; ``build(pending)`` turns a dict of
     field name → list of posted items into one request message; ``split(response)`` yields
-    ``(request_id, item)`` pairs of a response message.
+    ``(request_id, raw)`` pairs of a response message; ``convert(raw)`` makes the item (default: the
+    raw value itself) unless ``merge(pending_item, raw)`` folded it into the request's pending item
+    and returned True (module doc). ``on_message(response)``, when given, sees
+    every response message first (e.g. a load report riding on the stream). ``max_wake_delay``:
+    how long a busy loop may defer consumers' wake-ups (module doc; 0 = never deferred).
     """
 
     def __init__(self, name: str, open_call: Callable[[AsyncIterator[Any]], Any],
                  build: Callable[[dict[str, list[Any]]], Any],
-                 split: Callable[[Any], list[tuple[str, Item]]]) -> None:
+                 split: Callable[[Any], list[tuple[str, Any]]],
+                 on_message: Callable[[Any], None] | None = None, max_wake_delay: float = 0.0,
+                 convert: Callable[[Any], Item] | None = None,
+                 merge: Callable[[Item, Any], bool] | None = None) -> None:
         self.name = name
         self._open_call = open_call
         self._build = build
         self._split = split
+        self._on_message = on_message
+        self._convert = convert
+        self._merge = merge
+        self._waker = _Waker(max_wake_delay)
         self._pending: dict[str, list[Any]] = {}
         self._wake = asyncio.Event()
-        self._queues: dict[str, asyncio.Queue[Item | StreamBroken]] = {}
+        self._inboxes: dict[str, Inbox[Item]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
         self.messages_sent = 0
         self.messages_received = 0
+        self.items_received = 0
 
     # -- request side -------------------------------------------------------------------------
-    def open(self, request_id: str) -> asyncio.Queue[Item | StreamBroken]:
-        """Register a request; its response items arrive on the returned queue."""
+    def open(self, request_id: str) -> Inbox[Item]:
+        """Register a request; its response items arrive in the returned inbox."""
         if self._closed:
             raise Reason.UPSTREAM_UNAVAILABLE.error(f"{self.name} client is closed")
         if self._reader is None or self._reader.done():
             self._start()
-        queue: asyncio.Queue[Item | StreamBroken] = asyncio.Queue()
-        self._queues[request_id] = queue
-        return queue
+        inbox: Inbox[Item] = Inbox()
+        self._inboxes[request_id] = inbox
+        return inbox
 
     def release(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._inboxes.pop(request_id, None)
 
     def post(self, field: str, item: Any) -> None:
         """Queue one item for the next outbound message (never blocks)."""
@@ -72,7 +209,16 @@ class MuxClient(Generic[Item]):
 
     @property
     def open_requests(self) -> int:
-        return len(self._queues)
+        return len(self._inboxes)
+
+    @property
+    def loop_lag(self) -> float:
+        """Smoothed lag (s) of this stream's wake-ups: how far behind the loop is."""
+        return self._waker.lag
+
+    @property
+    def connected(self) -> bool:
+        return self._reader is not None and not self._reader.done()
 
     # -- stream plumbing ----------------------------------------------------------------------
     def _start(self) -> None:
@@ -92,25 +238,38 @@ class MuxClient(Generic[Item]):
 
     async def _read(self, call: Any) -> None:
         error: TokenrelayError = Reason.UPSTREAM_UNAVAILABLE.error(f"{self.name} stream ended")
+        inboxes = self._inboxes
         try:
             async for response in call:
                 self.messages_received += 1
-                for request_id, item in self._split(response):
-                    queue = self._queues.get(request_id)
-                    if queue is not None:
-                        queue.put_nowait(item)
+                if self._on_message is not None:
+                    self._on_message(response)
+                items = self._split(response)
+                self.items_received += len(items)
+                waker, convert, merge = self._waker, self._convert, self._merge
+                for request_id, raw in items:
+                    inbox = inboxes.get(request_id)
+                    if inbox is None:
+                        continue
+                    if merge is not None:
+                        pending = inbox.last()
+                        if pending is not None and not isinstance(pending, StreamBroken) and merge(pending, raw):
+                            continue       # folded into the item that already waits (and is woken)
+                    if inbox.append(convert(raw) if convert is not None else raw):
+                        if inbox.wakes:
+                            waker.add(inbox)
+                        else:
+                            inbox.wake()   # a first item goes at once
         except grpc.aio.AioRpcError as exc:
-            error = from_rpc_error(exc)
-            if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                error = Reason.UPSTREAM_UNAVAILABLE.error(f"{self.name} stream broke: {exc.details()}")
+            error = stream_error(exc, self.name)
         except asyncio.CancelledError:
             call.cancel()
             raise
         finally:
             broken = StreamBroken(error)
-            for queue in self._queues.values():
-                queue.put_nowait(broken)
-            self._queues.clear()
+            for inbox in inboxes.values():
+                inbox.put_nowait(broken)
+            inboxes.clear()
 
     async def close(self) -> None:
         self._closed = True
@@ -119,3 +278,25 @@ class MuxClient(Generic[Item]):
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
+
+
+def stream_error(exc: grpc.aio.AioRpcError, what: str) -> TokenrelayError:
+    """The typed error of a failed call to an upstream, the one translation for the tokenizer's and
+    engines' channels: the peer's own reason when it sent one (OVERLOADED stays OVERLOADED), else
+    UPSTREAM_UNAVAILABLE (retryable) for a transport failure: a connection refused or reset, a
+    cancelled call, or an INTERNAL/UNKNOWN that gRPC itself raised with no reason from the peer (a
+    peer killed mid-call reads "Internal error from Core" or "Stream removed")."""
+    code = exc.code()
+    if not _peer_reason(exc) and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                          grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        error: TokenrelayError = Reason.UPSTREAM_UNAVAILABLE.error(f"{what}: {code.name}: {exc.details()}")
+        error.__cause__ = exc
+        return error
+    return from_rpc_error(exc)
+
+
+def _peer_reason(exc: grpc.aio.AioRpcError) -> str:
+    for key, value in exc.trailing_metadata() or ():
+        if key == REASON_KEY:
+            return str(value)
+    return ""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tokenrelay.v1 import common_pb2 as tokenrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenrelay/v1/engine.proto\x12\rtokenrelay.v1\x1a\x1atokenrelay/v1/common.proto\"\x95\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tokenrelay.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x45\n\rtrace_context\x18\x06 \x03(\x0b\x32..tokenrelay.v1.EngineRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\rEngineInbound\x12,\n\x06submit\x18\x01 \x03(\x0b\x32\x1c.tokenrelay.v1.EngineRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xbd\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.tokenrelay.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x65rror_reason\x18\x06 \x01(\t\x12\x15\n\rerror_message\x18\x07 \x01(\t\";\n\x0e\x45ngineOutbound\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.tokenrelay.v1.TokenChunk\")\n\x12\x45ngineAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"&\n\x13\x45ngineAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\r\n\x0bLoadRequest\"\xb5\x02\n\nLoadReport\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x1b\n\x13max_active_requests\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x08 \x01(\r\x12\x13\n\x0bmax_context\x18\t \x01(\r\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x0b \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x0c \x01(\x04\x32\xe5\x01\n\x06\x45ngine\x12I\n\x06Stream\x12\x1c.tokenrelay.v1.EngineInbound\x1a\x1d.tokenrelay.v1.EngineOutbound(\x01\x30\x01\x12N\n\x05\x41\x62ort\x12!.tokenrelay.v1.EngineAbortRequest\x1a\".tokenrelay.v1.EngineAbortResponse\x12@\n\x07GetLoad\x12\x1a.tokenrelay.v1.LoadRequest\x1a\x19.tokenrelay.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenrelay/v1/engine.proto\x12\rtokenrelay.v1\x1a\x1atokenrelay/v1/common.proto\"\x95\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tokenrelay.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x45\n\rtrace_context\x18\x06 \x03(\x0b\x32..tokenrelay.v1.EngineRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\rEngineInbound\x12,\n\x06submit\x18\x01 \x03(\x0b\x32\x1c.tokenrelay.v1.EngineRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xbd\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.tokenrelay.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x65rror_reason\x18\x06 \x01(\t\x12\x15\n\rerror_message\x18\x07 \x01(\t\"d\n\x0e\x45ngineOutbound\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.tokenrelay.v1.TokenChunk\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.tokenrelay.v1.LoadReport\")\n\x12\x45ngineAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"&\n\x13\x45ngineAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\r\n\x0bLoadRequest\"\xc7\x02\n\nLoadReport\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x1b\n\x13max_active_requests\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x08 \x01(\r\x12\x13\n\x0bmax_context\x18\t \x01(\r\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x0b \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x32\xe5\x01\n\x06\x45ngine\x12I\n\x06Stream\x12\x1c.tokenrelay.v1.EngineInbound\x1a\x1d.tokenrelay.v1.EngineOutbound(\x01\x30\x01\x12N\n\x05\x41\x62ort\x12!.tokenrelay.v1.EngineAbortRequest\x1a\".tokenrelay.v1.EngineAbortResponse\x12@\n\x07GetLoad\x12\x1a.tokenrelay.v1.LoadRequest\x1a\x19.tokenrelay.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,15 +43,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENCHUNK']._serialized_start=432
   _globals['_TOKENCHUNK']._serialized_end=621
   _globals['_ENGINEOUTBOUND']._serialized_start=623
-  _globals['_ENGINEOUTBOUND']._serialized_end=682
-  _globals['_ENGINEABORTREQUEST']._serialized_start=684
-  _globals['_ENGINEABORTREQUEST']._serialized_end=725
-  _globals['_ENGINEABORTRESPONSE']._serialized_start=727
-  _globals['_ENGINEABORTRESPONSE']._serialized_end=765
-  _globals['_LOADREQUEST']._serialized_start=767
-  _globals['_LOADREQUEST']._serialized_end=780
-  _globals['_LOADREPORT']._serialized_start=783
-  _globals['_LOADREPORT']._serialized_end=1092
-  _globals['_ENGINE']._serialized_start=1095
-  _globals['_ENGINE']._serialized_end=1324
+  _globals['_ENGINEOUTBOUND']._serialized_end=723
+  _globals['_ENGINEABORTREQUEST']._serialized_start=725
+  _globals['_ENGINEABORTREQUEST']._serialized_end=766
+  _globals['_ENGINEABORTRESPONSE']._serialized_start=768
+  _globals['_ENGINEABORTRESPONSE']._serialized_end=806
+  _globals['_LOADREQUEST']._serialized_start=808
+  _globals['_LOADREQUEST']._serialized_end=821
+  _globals['_LOADREPORT']._serialized_start=824
+  _globals['_LOADREPORT']._serialized_end=1151
+  _globals['_ENGINE']._serialized_start=1154
+  _globals['_ENGINE']._serialized_end=1383
 # @@protoc_insertion_point(module_scope)

@@ -57,10 +57,12 @@ class TokenChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., error_reason: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class EngineOutbound(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "load")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[TokenChunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ...) -> None: ...
+    load: LoadReport
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...
 
 class EngineAbortRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -79,7 +81,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("backend", "model", "active_requests", "queued_requests", "max_active_requests", "kv_blocks_total", "kv_blocks_used", "tokens_per_block", "max_context", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total")
+    __slots__ = ("backend", "model", "active_requests", "queued_requests", "max_active_requests", "kv_blocks_total", "kv_blocks_used", "tokens_per_block", "max_context", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "draining")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,7 @@ class LoadReport(_message.Message):
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model: str
     active_requests: int
@@ -104,4 +107,5 @@ class LoadReport(_message.Message):
     prompt_tokens_total: int
     cached_tokens_total: int
     generated_tokens_total: int
-    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,72 @@
+"""bench/bench_relay.py end to end, small and fast: real redis-server, tokenizer, sim engine and
+router processes, two load processes, the mesh then the engine alone; every figure is reported."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench_relay  # noqa: E402
+
+
+def test_cpu_lists() -> None:
+    assert bench_relay.cpu_list("") == []
+    assert bench_relay.cpu_list("0,2-4, 7") == [0, 2, 3, 4, 7]
+
+
+def test_a_small_run_reports_mesh_and_engine_alone(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "relay.json"
+    assert bench_relay.main(["--streams", "8", "--duration", "1.5", "--warmup", "0.5", "--clients", "2",
+                             "--max-tokens", "32", "--step-ms", "2", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["target"], r["streams"]) for r in rows] == [("mesh", 8), ("engine", 8)]
+    for row in rows:
+        assert row["errors"] == 0, row["last_error"]
+        assert row["requests"] > 0 and row["tokens_per_s"] > 0 and row["messages_per_s"] > 0
+        assert row["cpu_seconds"] > 0 and row["tokens_per_cpu_s"] > 0 and row["messages_per_cpu_s"] > 0
+        assert row["tokens_per_message"] >= 1.0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+    mesh = rows[0]
+    assert mesh["cpu_of"] == "routers" and 0 < mesh["ratio_to_engine"] < 2
+
+
+def test_streams_spread_evenly_over_engines() -> None:
+    # One engine: each load process's whole share at it, as before.
+    assert bench_relay.spread(10, 3, 1) == [[(0, 4)], [(0, 3)], [(0, 3)]]
+    for streams, clients, targets in [(8, 2, 2), (10, 3, 4), (1024, 10, 8), (7, 10, 3), (5, 2, 8)]:
+        plan = bench_relay.spread(streams, clients, targets)
+        assert len(plan) == min(clients, streams)
+        per_target = [0] * targets
+        for pairs in plan:
+            for target, n in pairs:
+                per_target[target] += n
+        assert sum(per_target) == streams
+        used = per_target if streams >= targets else [n for n in per_target if n]
+        assert max(used) - min(used) <= 1 and len([n for n in per_target if n]) == min(streams, targets)
+    assert bench_relay.cpu_share([3, 4], 0, 1) == [3, 4]  # a lone engine keeps the whole list
+    assert [bench_relay.cpu_share([3, 4], i, 3) for i in range(3)] == [[3], [4], [3]]
+
+
+def test_a_two_engine_run_spreads_the_baseline(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "relay.json"
+    assert bench_relay.main(["--streams", "6", "--duration", "1", "--warmup", "0.4", "--clients", "3",
+                             "--engines", "2", "--tokenizers", "2", "--max-tokens", "16", "--step-ms", "2",
+                             "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["args"]["engines"] == 2 and report["args"]["tokenizers"] == 2
+    rows = report["rows"]
+    assert [(r["target"], r["engines"], r["tokenizers"]) for r in rows] == [("mesh", 2, 2), ("engine", 2, 2)]
+    for row in rows:
+        assert row["errors"] == 0, row["last_error"]
+        assert row["requests"] > 0 and row["tokens_per_s"] > 0
+    mesh, engines = rows
+    assert engines["cpu_of"] == "engines"
+    assert sorted(engines["streams_by_address"].values()) == [3, 3]
+    assert len(engines["tokens_per_s_by_address"]) == 2 and all(engines["tokens_per_s_by_address"].values())
+    assert abs(sum(engines["tokens_per_s_by_address"].values()) - engines["tokens_per_s"]) < 1e-6
+    assert len(mesh["engine_finished_by_engine"]) == 2 and sum(mesh["engine_finished_by_engine"]) > 0
+    assert 0 < mesh["ratio_to_engine"] < 2

@@ -1,0 +1,211 @@
+"""services/mux.py: per-request inboxes (one wake-up per burst, everything ready in one take) and
+the multiplexed client over a real gRPC stream on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from services.channels import bind_port, open_channel
+from services.errors import Reason
+from services.mux import Inbox, MuxClient, StreamBroken
+from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
+from services.security import PLAINTEXT
+
+
+async def test_a_burst_costs_one_wake_up_and_one_take() -> None:
+    inbox: Inbox[int] = Inbox()
+    wakes = 0
+    taken: list[list[int | StreamBroken]] = []
+
+    async def consumer() -> None:
+        nonlocal wakes
+        while True:
+            items = await inbox.get_ready()
+            wakes += 1
+            taken.append(items)
+            if 99 in items:
+                return
+
+    task = asyncio.create_task(consumer())
+    await asyncio.sleep(0)           # the consumer parks on its waiter
+    for i in range(50):
+        inbox.put_nowait(i)          # one burst: one future set, no call_soon per item
+    await asyncio.sleep(0)
+    for i in range(50, 100):
+        inbox.put_nowait(i)
+    await task
+    assert wakes == 2
+    assert taken == [list(range(50)), list(range(50, 100))]
+
+
+async def test_get_returns_items_in_order_and_get_ready_never_waits_when_ready() -> None:
+    inbox: Inbox[str] = Inbox()
+    inbox.put_nowait("a")
+    inbox.put_nowait("b")
+    assert await inbox.get() == "a"
+    assert await asyncio.wait_for(inbox.get_ready(), 0.5) == ["b"]
+    assert inbox.empty() and inbox.qsize() == 0
+    getter = asyncio.create_task(inbox.get())
+    await asyncio.sleep(0)
+    inbox.put_nowait("c")
+    assert await getter == "c"
+
+
+async def test_a_cancelled_consumer_leaves_no_stale_waiter() -> None:
+    inbox: Inbox[int] = Inbox()
+    task = asyncio.create_task(inbox.get_ready())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    inbox.put_nowait(1)              # must not touch the cancelled future
+    assert await inbox.get_ready() == [1]
+
+
+class _EchoEngine(engine_pb2_grpc.EngineServicer):
+    """Answers every submit with `tokens` one-token chunks, all in one message, then breaks the
+    stream when asked to (a submit with request id 'break')."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.messages_in = 0
+
+    async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineInbound],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineOutbound]:
+        async for message in request_iterator:
+            self.messages_in += 1
+            for r in message.submit:
+                if r.request_id == "break":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+                chunks = [engine_pb2.TokenChunk(request_id=r.request_id, token_ids=[i], finished=i == self.tokens - 1)
+                          for i in range(self.tokens)]
+                yield engine_pb2.EngineOutbound(chunks=chunks)
+
+
+async def _serve(servicer: Any) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    port = bind_port(server, "127.0.0.1:0", PLAINTEXT)
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _client(address: str) -> tuple[grpc.aio.Channel, MuxClient[Any], list[Any]]:
+    channel = open_channel(address, PLAINTEXT)
+    stub = engine_pb2_grpc.EngineStub(channel)
+    seen: list[Any] = []
+    mux: MuxClient[Any] = MuxClient(
+        "engine-test", stub.Stream, lambda p: engine_pb2.EngineInbound(submit=p.get("submit", [])),
+        lambda resp: [(c.request_id, c) for c in resp.chunks], on_message=seen.append)
+    return channel, mux, seen
+
+
+async def test_the_chunks_of_one_message_arrive_in_one_take() -> None:
+    server, address = await _serve(_EchoEngine(tokens=20))
+    channel, mux, seen = _client(address)
+    try:
+        inbox = mux.open("r1")
+        mux.post("submit", engine_pb2.EngineRequest(request_id="r1"))
+        items = await asyncio.wait_for(inbox.get_ready(), 5)
+        assert [c.token_ids[0] for c in items] == list(range(20))
+        assert len(seen) == 1 and mux.messages_received == 1 and mux.items_received == 20
+        mux.release("r1")
+        assert mux.open_requests == 0
+    finally:
+        await mux.close()
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_a_broken_stream_fails_every_open_request_and_the_next_open_reconnects() -> None:
+    server, address = await _serve(_EchoEngine(tokens=1))
+    channel, mux, _ = _client(address)
+    try:
+        a, b = mux.open("a"), mux.open("b")
+        mux.post("submit", engine_pb2.EngineRequest(request_id="break"))
+        for inbox in (a, b):
+            item = (await asyncio.wait_for(inbox.get_ready(), 5))[-1]
+            assert isinstance(item, StreamBroken)
+            assert item.error.reason == Reason.UPSTREAM_UNAVAILABLE and item.error.retryable
+        assert mux.open_requests == 0
+        c = mux.open("c")
+        mux.post("submit", engine_pb2.EngineRequest(request_id="c"))
+        chunk = await asyncio.wait_for(c.get(), 5)
+        assert not isinstance(chunk, StreamBroken) and chunk.finished
+    finally:
+        await mux.close()
+        await channel.close()
+        await server.stop(None)
+
+
+class _DripEngine(engine_pb2_grpc.EngineServicer):
+    """Answers a submit with `tokens` messages of one single-token chunk each (a fast engine)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineInbound],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineOutbound]:
+        async for message in request_iterator:
+            for r in message.submit:
+                for i in range(self.tokens):
+                    yield engine_pb2.EngineOutbound(chunks=[engine_pb2.TokenChunk(
+                        request_id=r.request_id, token_ids=[i], finished=i == self.tokens - 1)])
+
+
+def _merge(pending: Any, raw: Any) -> bool:
+    if pending["finished"] or raw.finished:
+        return False
+    pending["tokens"].extend(raw.token_ids)
+    return True
+
+
+async def test_chunks_that_arrive_while_one_waits_are_merged_into_it() -> None:
+    server, address = await _serve(_DripEngine(tokens=51))
+    channel = open_channel(address, PLAINTEXT)
+    stub = engine_pb2_grpc.EngineStub(channel)
+    mux: MuxClient[Any] = MuxClient(
+        "engine-test", stub.Stream, lambda p: engine_pb2.EngineInbound(submit=p.get("submit", [])),
+        lambda resp: [(c.request_id, c) for c in resp.chunks],
+        convert=lambda c: {"tokens": list(c.token_ids), "finished": c.finished}, merge=_merge)
+    try:
+        inbox = mux.open("r")
+        mux.post("submit", engine_pb2.EngineRequest(request_id="r"))
+        # The consumer is busy elsewhere while all 51 messages arrive: it then takes two items,
+        # the 50 plain tokens folded into one, and the final chunk (never merged: it ends the request).
+        await asyncio.wait_for(_until(lambda: mux.items_received == 51), 10)
+        items = await inbox.get_ready()
+        assert [item["tokens"] for item in items] == [list(range(50)), [50]]
+        assert [item["finished"] for item in items] == [False, True]
+    finally:
+        await mux.close()
+        await channel.close()
+        await server.stop(None)
+
+
+async def _until(condition: Any) -> None:
+    from tests.waiting import poll
+    await poll(condition, timeout=10)
+
+
+async def test_a_lagging_loop_defers_wake_ups_and_an_idle_one_does_not() -> None:
+    from services.mux import _Waker
+
+    loop = asyncio.get_running_loop()
+    for lag, expect_deferred in ((0.0, False), (1.0, True)):
+        waker = _Waker(max_delay=0.05)
+        waker.lag = lag
+        inbox: Inbox[int] = Inbox()
+        consumer = asyncio.create_task(inbox.get_ready())
+        await asyncio.sleep(0)                       # parked on its waiter
+        t0 = loop.time()
+        assert inbox.append(1)
+        waker.add(inbox)
+        assert inbox.append(2) and waker.flushes == 0   # still waiting: the flush is pending
+        assert await consumer == [1, 2]
+        waited = loop.time() - t0
+        assert (waited >= 0.045) is expect_deferred, (lag, waited)
+        assert waker.flushes == 1
