@@ -30,8 +30,19 @@ SERVER_OPTIONS: Sequence[tuple[str, Any]] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # grpc core turns SO_REUSEPORT on by default on Linux, which would let a second process silently
+    # share a port by mistake; a server opts in with `server_options(reuse_port=True)`.
     ("grpc.so_reuseport", 0),
 )
+
+
+def server_options(*, reuse_port: bool = False) -> list[tuple[str, Any]]:
+    """Options of a grpc.aio server. ``reuse_port``: several processes bind one host:port
+    (SO_REUSEPORT; each must ask for it, as the same user) and the kernel spreads incoming
+    connections over them (a hash of the connection's addresses: one client channel stays on
+    one process, many channels spread)."""
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport"]
+    return [*options, ("grpc.so_reuseport", 1 if reuse_port else 0)]
 
 
 class UnknownSecurityMode(ValueError):

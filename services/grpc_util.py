@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.channels import SERVER_OPTIONS, bind_port, open_channel
+from services.channels import bind_port, open_channel, server_options
 from services.errors import REASON_KEY, Reason, TokenrelayError
 from services.logging import get_logger
 from services.security import PLAINTEXT, SecuritySettings
@@ -77,7 +77,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 class GrpcServer:
     """A grpc.aio server with health + reflection, bound to host:port (0 = ephemeral) and secured as
-    `security` says (`services.channels.bind_port`).
+    `security` says (`services.channels.bind_port`). ``reuse_port``: other processes that ask for it
+    too may bind the same host:port (SO_REUSEPORT; several routers behind one address).
 
     Lifecycle: `start()` binds and marks SERVING; `stop(grace)` marks NOT_SERVING first so load
     balancers drain, then lets in-flight calls finish for `grace` seconds.
@@ -85,9 +86,9 @@ class GrpcServer:
 
     def __init__(self, host: str, port: int, service_names: Iterable[str],
                  interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *,
-                 security: SecuritySettings = PLAINTEXT) -> None:
+                 security: SecuritySettings = PLAINTEXT, reuse_port: bool = False) -> None:
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(), *interceptors],
-                                      options=list(SERVER_OPTIONS))
+                                      options=server_options(reuse_port=reuse_port))
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._names = list(service_names)

@@ -1,9 +1,14 @@
 """`tokenrelay up`: run the whole mesh on one machine as real processes.
 
-Starts Redis (a private `redis-server` on a unix socket unless a URL is given), the tokenizer,
-one engine and the router, each on an ephemeral port published through a port file, waits for
+Starts Redis (a private `redis-server` on a unix socket unless a URL is given), the tokenizers,
+the engines and the routers, each on an ephemeral port published through a port file, waits for
 every one to report SERVING on the standard health service, then writes a state file (router
 address + development API key, mode 0600) that `tokenrelay generate` / `chat` read.
+
+Several routers (`--routers N`) serve one address: the first binds `--port` (0 = ephemeral) with
+SO_REUSEPORT, the others bind the port it got, also with SO_REUSEPORT, and the kernel spreads
+client connections over them; every router is pointed at every engine and tokenizer and shares
+the one Redis (request ids, Cancel and sessions work whichever router holds a stream).
 Stopping sends SIGTERM in reverse start order, then SIGKILL after a grace period.
 """
 
@@ -41,6 +46,8 @@ class MeshOptions:
     state_file: pathlib.Path = DEFAULT_STATE
     max_in_flight: int = 16
     tokenizer_replicas: int = 1
+    engine_replicas: int = 1
+    routers: int = 1
     startup_timeout: float = 300.0
     log_level: str = "INFO"
     engine_args: list[str] = field(default_factory=list)
@@ -62,6 +69,8 @@ class Mesh:
         self.router_address = ""
         self.addresses: dict[str, str] = {}
         self.tokenizer_addresses: list[str] = []
+        self.engine_addresses: list[str] = []
+        self.router_addresses: list[str] = []
         self.metrics: dict[str, str] = {}
         self.redis_url = options.redis_url
 
@@ -134,26 +143,42 @@ class Mesh:
 
     async def start(self) -> str:
         self.o.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.o.routers > 1 and self.o.port:
+            _check_port_free(self.o.host, self.o.port)  # before starting anything
         await self._start_redis()
         replicas = max(1, self.o.tokenizer_replicas)
-        toks = [self._service(f"tokenizer{i}" if i else "tokenizer", "tokenizer_svc",
+        toks = [self._service(_name("tokenizer", i), "tokenizer_svc",
                               tokenizer_argv(self.o.model, replicas, self.o.tokenizer_args))
                 for i in range(replicas)]
-        eng = self._service("engine", "engine_svc",
-                            ["--backend", self.o.engine, "--model", str(self.o.model),
-                             *engine_args_for(self.o.model, self.o.engine), *self.o.engine_args])
-        *tok_addrs, eng_addr = await asyncio.gather(*(self._wait_port(*t) for t in toks), self._wait_port(*eng))
-        router, router_port = self._service(
-            "router", "router_svc",
-            ["--tokenizers", ",".join(tok_addrs), "--engines", eng_addr, "--redis-url", self.redis_url,
-             "--tenants-file", str(self._write_tenants())], port=self.o.port)
-        self.router_address = await self._wait_port(router, router_port)
-        self.tokenizer_addresses = tok_addrs
-        self.addresses = {"tokenizer": tok_addrs[0], "engine": eng_addr, "router": self.router_address}
+        n_engines = max(1, self.o.engine_replicas)
+        engs = [self._service(_name("engine", i), "engine_svc",
+                              engine_argv(self.o.model, self.o.engine, n_engines, self.o.engine_args))
+                for i in range(n_engines)]
+        addrs = await asyncio.gather(*(self._wait_port(*t) for t in (*toks, *engs)))
+        tok_addrs, eng_addrs = list(addrs[:replicas]), list(addrs[replicas:])
+        self.router_addresses = await self._start_routers(tok_addrs, eng_addrs)
+        self.router_address = self.router_addresses[0]
+        self.tokenizer_addresses, self.engine_addresses = tok_addrs, eng_addrs
+        self.addresses = {"tokenizer": tok_addrs[0], "engine": eng_addrs[0], "router": self.router_address}
+        names = [*(_name("tokenizer", i) for i in range(replicas)), *(_name("engine", i) for i in range(n_engines)),
+                 *(_name("router", i) for i in range(len(self.router_addresses)))]
         self.metrics = {name: f"http://{self.o.host}:{(self.o.run_dir / f'{name}.metrics-port').read_text().strip()}"
-                        "/metrics" for name in self.addresses}
+                        "/metrics" for name in names}
         self._write_state()
         return self.router_address
+
+    async def _start_routers(self, tok_addrs: list[str], eng_addrs: list[str]) -> list[str]:
+        """The first router binds --port (0 = ephemeral); the others bind the port it got. With more
+        than one, every router binds with SO_REUSEPORT, so they serve one address."""
+        n = max(1, self.o.routers)
+        argv = ["--tokenizers", ",".join(tok_addrs), "--engines", ",".join(eng_addrs),
+                "--redis-url", self.redis_url, "--tenants-file", str(self._write_tenants())]
+        if n > 1:
+            argv.append("--reuse-port")
+        first = await self._wait_port(*self._service("router", "router_svc", argv, port=self.o.port))
+        port = int(first.rsplit(":", 1)[1])
+        rest = [self._service(_name("router", i), "router_svc", argv, port=port) for i in range(1, n)]
+        return [first, *await asyncio.gather(*(self._wait_port(*r) for r in rest))]
 
     def _write_state(self) -> None:
         self.o.state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +187,8 @@ class Mesh:
         with os.fdopen(fd, "w") as f:
             json.dump({"router": self.router_address, "api_key": self.api_key, "pid": os.getpid(),
                        "model": str(self.o.model), "engine": self.o.engine, "redis_url": self.redis_url,
-                       "tokenizers": self.tokenizer_addresses, "engines": [self.addresses["engine"]],
+                       "tokenizers": self.tokenizer_addresses, "engines": self.engine_addresses,
+                       "routers": len(self.router_addresses),
                        "run_dir": str(self.o.run_dir), "metrics": self.metrics}, f)
         os.replace(tmp, self.o.state_file)
 
@@ -185,6 +211,26 @@ class Mesh:
                     os.killpg(proc.popen.pid, signal.SIGKILL)
                 proc.popen.wait()
         self.procs.clear()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """With SO_REUSEPORT a router would silently share a port with routers of another mesh that
+    bound it the same way: refuse a port that is taken (probed without SO_REUSEPORT)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past connections' TIME_WAIT is fine
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"port {host}:{port} is in use ({exc.strerror}): stop what holds it, or pass "
+                               "--port 0") from None
+
+
+def _name(role: str, index: int) -> str:
+    """Process names: router, router1, router2, ... (the first keeps the plain name)."""
+    return f"{role}{index}" if index else role
 
 
 def _die_with_parent() -> None:
@@ -215,6 +261,17 @@ def engine_args_for(model: pathlib.Path, engine: str) -> list[str]:
         if isinstance(context, int) and 0 < context < 10_000_000:  # transformers writes 1e30 for "unknown"
             return [*args, "--sim-max-context", str(context)]
     return args
+
+
+def engine_argv(model: pathlib.Path, engine: str, replicas: int, extra: list[str],
+                cores: int | None = None) -> list[str]:
+    """Flags of each engine replica. Several `hf` engines on this host's CPUs share its cores, so each
+    gets its share of torch threads (as tokenizer replicas do); `extra` comes last and wins."""
+    argv = ["--backend", engine, "--model", str(model), *engine_args_for(model, engine)]
+    if engine == "hf" and replicas > 1:
+        cores = cores if cores is not None else len(os.sched_getaffinity(0))
+        argv += ["--hf-threads", str(max(1, cores // replicas))]
+    return [*argv, *extra]
 
 
 def tail(path: pathlib.Path, lines: int = 20) -> str:

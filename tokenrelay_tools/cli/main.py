@@ -59,14 +59,16 @@ async def _up(args: argparse.Namespace) -> int:
         model=model, engine=args.engine, port=args.port, host=args.host,
         redis_url=args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL", ""),
         run_dir=pathlib.Path(args.run_dir), state_file=pathlib.Path(args.state_file),
-        max_in_flight=args.max_in_flight, tokenizer_replicas=args.tokenizers, engine_args=args.engine_arg,
+        max_in_flight=args.max_in_flight, tokenizer_replicas=args.tokenizers, engine_replicas=args.engines,
+        routers=args.routers, engine_args=args.engine_arg,
         tokenizer_args=args.tokenizer_arg)
     mesh = Mesh(options)
     # SIGTERM (systemd, `timeout`, a supervisor) stops the mesh as cleanly as Ctrl-C does.
     main_task = asyncio.current_task()
     assert main_task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
-    print(f"[tokenrelay] starting: engine={options.engine} serving {serving}; logs in {options.run_dir}/logs",
+    print(f"[tokenrelay] starting: engine={options.engine} serving {serving}; routers={options.routers} "
+          f"engines={options.engine_replicas} tokenizers={options.tokenizer_replicas}; logs in {options.run_dir}/logs",
           file=sys.stderr)
     try:
         address = await mesh.start()
@@ -82,6 +84,9 @@ async def _up(args: argparse.Namespace) -> int:
         return 1
     except asyncio.CancelledError:
         return 0
+    except (RuntimeError, TimeoutError) as exc:  # a service did not start: one message, not a traceback
+        print(f"[tokenrelay] error: {exc}", file=sys.stderr)
+        return 1
     finally:
         print("[tokenrelay] stopping", file=sys.stderr)
         mesh.stop()
@@ -117,7 +122,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _chat(args: argparse.Namespace) -> int:
-    from services.client import Client, Finished, TextDelta
+    from services.client import Client, Finished, TextDelta, TokenrelayError
 
     address, key = _connection(args)
     loop = asyncio.get_running_loop()
@@ -140,6 +145,19 @@ async def _chat(args: argparse.Namespace) -> int:
                         sys.stdout.write(f"\n[{event.finish_reason}, {event.completion_tokens} tokens]\n")
             except KeyboardInterrupt:
                 chat.cancel_turn()
+            except TokenrelayError as exc:   # this turn failed (turn_error); the session goes on
+                sys.stdout.write(f"\n[turn failed: {exc.code.name} {exc.reason}: {exc.message}]\n")
+
+
+def _count(text: str) -> int:
+    """A replica count: 1 to 64."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (1 to 64)")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -153,7 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="router port (0 = ephemeral)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
-    up.add_argument("--tokenizers", type=int, default=1, help="tokenizer_svc replicas (the router spreads over them)")
+    up.add_argument("--tokenizers", type=_count, default=1, help="tokenizer_svc replicas (the router spreads over "
+                                                                 "them; each gets a share of the cores)")
+    up.add_argument("--engines", type=_count, default=1, help="engine_svc replicas (every router places requests "
+                                                              "on all of them; hf engines share the cores)")
+    up.add_argument("--routers", type=_count, default=1, help="router_svc processes serving the one --port "
+                                                              "(SO_REUSEPORT; they share Redis)")
     up.add_argument("--max-in-flight", type=int, default=16, help="the dev tenant's concurrency limit")
     up.add_argument("--run-dir", default=str(CACHE / "run"), help="logs, sockets, generated tenants file")
     up.add_argument("--state-file", default=str(DEFAULT_STATE))

@@ -1,0 +1,411 @@
+"""Router processes as one cluster through Redis: request ids, Cancel and session affinity.
+
+`RedisRequestRegistry` and `RedisSessionAffinity` implement `ports.RequestRegistry` and
+`ports.SessionAffinity` for routers that share a Redis (several processes behind one address
+with SO_REUSEPORT, or routers on several hosts):
+
+- A request id is claimed per tenant: key ``tr:{pool}:rid:<tenant>:<request_id>`` (set if absent,
+  with a TTL; the value is the owner's router id). It is released when the request ends, awaited,
+  so a client holding its `done` may reuse the id on any router. One heartbeat task per process
+  refreshes every id it holds in one Lua call per 500 ids (never a task per request); a key lost
+  to a Redis restart is claimed again by that heartbeat. Another tenant's id is another key:
+  invisible, never blocking. An id whose owner died (nobody subscribed to its Cancel channel) is
+  taken over at once, so a client retrying on another router after a crash is not refused.
+- Cancel: the local request first; otherwise the key names the owner, and the request goes to the
+  owner's pub/sub channel ``tr:{pool}:router:<id>``; the owner aborts it and answers on the asker's
+  channel. ``cancelled`` is True only if the owner held it; no answer within `cancel_timeout` (the
+  owner died: PUBLISH reached no subscriber, or it did not answer) is False.
+- Sessions: ``tr:{pool}:sess:<tenant>:<session>`` → engine replica address, TTL refreshed on each
+  read, so a session keeps its replica whichever router holds its next turn.
+
+Every command goes through one coalescing pipeline (`cluster_redis.Pipeliner`): what callers
+submit while a round trip is in flight goes together in the next, so Redis costs one round trip
+per batch, not per request, and a handful of connections per process. Redis down or slow (each
+batch is bounded by `op_timeout`): each operation falls back to this process's own view, logged
+and counted in ``tokenrelay_router_cluster_fallbacks_total{op}``: claims are checked locally,
+Cancel reaches local requests only, sessions stick through a local LRU. Nothing here ever raises
+REDIS_UNAVAILABLE or waits longer than its bound. All keys share the pool's hash tag (Redis
+Cluster: one slot; the dead-owner check counts subscribers on the node it asks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+from redis.exceptions import RedisError
+
+from services.logging import get_logger
+
+from .cluster_redis import REDIS_ERRORS, Pipeliner, Warned, open_redis, stop_tasks
+from .placement import LocalSessionAffinity
+
+log = get_logger(__name__)
+
+HELD_IDS = Gauge("tokenrelay_router_cluster_request_ids", "Request ids this router process holds in Redis")
+REMOTE_CANCELS = Counter("tokenrelay_router_cluster_remote_cancels_total", "Cancels delivered to or from "
+                         "another router process, by direction and outcome", ["direction", "outcome"])
+
+_HEARTBEAT_CHUNK = 500
+_SESSION_KEY_MAX = 128  # longer session ids are hashed into the key
+# KEYS: request-id keys; ARGV: router id, ttl ms. Refresh ours; claim again what a Redis restart lost.
+# Returns how many are held by another router (a duplicate admitted while Redis was unreachable).
+_HEARTBEAT = """
+local lost = 0
+for i, k in ipairs(KEYS) do
+  local v = redis.call('GET', k)
+  if v == ARGV[1] then redis.call('PEXPIRE', k, ARGV[2])
+  elseif not v then redis.call('SET', k, ARGV[1], 'PX', ARGV[2])
+  else lost = lost + 1 end
+end
+return lost
+"""
+# KEYS: request-id keys; ARGV: router id, ttl ms. Per key: free, or ours (a release that has not landed
+# yet): claim it, ''; else the owner.
+_CLAIM = """
+local out = {}
+for i, k in ipairs(KEYS) do
+  local v = redis.call('GET', k)
+  if v and v ~= ARGV[1] then out[i] = v
+  else redis.call('SET', k, ARGV[1], 'PX', ARGV[2]); out[i] = '' end
+end
+return out
+"""
+# ARGV: router id, ttl ms, the dead owner: take the key over only if that owner still has it.
+_TAKE_OVER = """
+local v = redis.call('GET', KEYS[1])
+if v and v ~= ARGV[3] and v ~= ARGV[1] then return v end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return ''
+"""
+# KEYS: request-id keys; ARGV[1] router id: delete only our own claims.
+_RELEASE = """
+local out = {}
+for i, k in ipairs(KEYS) do
+  if redis.call('GET', k) == ARGV[1] then out[i] = redis.call('DEL', k) else out[i] = 0 end
+end
+return out
+"""
+
+
+def default_router_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class RedisCluster:
+    """This process's membership: the Redis client, the pipeline, the Cancel channel and the
+    heartbeat of its request ids. Owns its tasks (`start` / `close`)."""
+
+    def __init__(self, redis_url: str, pool: str, *, router_id: str = "", op_timeout: float = 1.0,
+                 request_id_ttl: float = 15.0, session_ttl: float = 3600.0, cancel_timeout: float = 0.5) -> None:
+        self.router_id = router_id or default_router_id()
+        self.pool = pool
+        self.redis = open_redis(redis_url, op_timeout)
+        self.pipe = Pipeliner(self.redis, op_timeout)
+        self.op_timeout = op_timeout
+        self.warn = Warned()
+        self.registry = RedisRequestRegistry(self, request_id_ttl, cancel_timeout)
+        self.sessions = RedisSessionAffinity(self, session_ttl)
+        self._heartbeat = self.redis.register_script(_HEARTBEAT)
+        self._release = self.redis.register_script(_RELEASE)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def key(self, kind: str, tenant: str, name: str) -> str:
+        return f"tr:{{{self.pool}}}:{kind}:{tenant}:{name}"
+
+    def channel(self, router_id: str) -> str:
+        return f"tr:{{{self.pool}}}:router:{router_id}"
+
+    async def start(self) -> None:
+        self.pipe.start()
+        subscribed = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._listen(subscribed), name="cluster-cancel-listener"),
+                       asyncio.create_task(self._beat(), name="cluster-request-id-heartbeat")]
+        # Wait (bounded) for the Cancel channel so a Cancel right after start reaches us; with Redis
+        # down the listener keeps trying and this router serves on its own meanwhile.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(subscribed.wait(), self.op_timeout * 2)
+        log.info("cluster_joined", router_id=self.router_id, subscribed=subscribed.is_set())
+
+    async def close(self) -> None:
+        if self._tasks:
+            await stop_tasks(self._tasks, self.op_timeout * 2)
+        await self.registry.release_all()
+        await self.pipe.close()
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.redis.aclose()
+
+    def report(self, op: str) -> Callable[[asyncio.Future[Any]], None]:
+        """A done-callback for a command nobody awaits: a failure is counted and logged."""
+        def done(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled():
+                return
+            exc = fut.exception()
+            if exc is not None:
+                self.warn(op, exc)
+        return done
+
+    async def owner_is_gone(self, owner: bytes | str) -> bool:
+        """No process listens on the owner's Cancel channel: it died (its ids would otherwise block a
+        client's retry until their TTL). Only asked when a claim meets another router's id."""
+        owner = owner.decode() if isinstance(owner, bytes) else owner
+        counts = await asyncio.wait_for(self.redis.pubsub_numsub(self.channel(owner)), self.op_timeout)
+        return all(int(n) == 0 for _, n in counts)
+
+    async def publish(self, router_id: str, message: dict[str, Any]) -> int:
+        return int(await self.pipe.call("PUBLISH", self.channel(router_id), json.dumps(message)))
+
+    # ------------------------------------------------------------------------------ Cancel channel
+    async def _listen(self, subscribed: asyncio.Event) -> None:
+        backoff = 0.05
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await asyncio.wait_for(pubsub.subscribe(self.channel(self.router_id)), self.op_timeout)
+                subscribed.set()
+                backoff = 0.05
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        self._on_message(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Redis gone or a bad message: resubscribe
+                self.warn("subscribe", exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(pubsub.aclose(), self.op_timeout)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _on_message(self, data: bytes | str) -> None:
+        try:
+            message = json.loads(data)
+            op = message["op"]
+        except (ValueError, KeyError, TypeError):
+            log.warning("cluster_bad_message", data=repr(data)[:200])
+            return
+        if op == "cancel":
+            self.registry.remote_cancel(message)
+        elif op == "cancelled":
+            self.registry.answer(message)
+
+    # ------------------------------------------------------------------------------------ heartbeat
+    async def _beat(self) -> None:
+        interval = self.registry.ttl / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.heartbeat_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - next beat tries again; the TTL covers two misses
+                self.warn("heartbeat", exc)
+
+    async def heartbeat_once(self) -> None:
+        """Refresh every request id this process holds (one Lua call per 500), and retry releases
+        that failed."""
+        keys = self.registry.held_keys()
+        ttl_ms = int(self.registry.ttl * 1000)
+        lost = 0
+        for i in range(0, len(keys), _HEARTBEAT_CHUNK):
+            lost += int(await asyncio.wait_for(
+                self._heartbeat(keys=keys[i:i + _HEARTBEAT_CHUNK], args=[self.router_id, ttl_ms]), self.op_timeout))
+        if lost:
+            log.warning("cluster_request_ids_lost", count=lost)
+        unreleased = self.registry.unreleased()
+        await self.release_keys(unreleased)
+        for key in unreleased:
+            self.registry.released(key)
+
+    async def release_keys(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), _HEARTBEAT_CHUNK):
+            await asyncio.wait_for(self._release(keys=keys[i:i + _HEARTBEAT_CHUNK], args=[self.router_id]),
+                                   self.op_timeout)
+
+
+class RedisRequestRegistry:
+    """`ports.RequestRegistry` across router processes (see the module docstring)."""
+
+    def __init__(self, cluster: RedisCluster, ttl: float, cancel_timeout: float) -> None:
+        self._c = cluster
+        self.ttl = ttl
+        self.cancel_timeout = cancel_timeout
+        self._held: dict[tuple[str, str], list[Callable[[], None]]] = {}
+        self._unreleased: set[str] = set()
+        self._answers: dict[str, asyncio.Future[bool]] = {}
+        HELD_IDS.set_function(lambda: len(self._held))  # read at scrape time, not per request
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def held_keys(self) -> list[str]:
+        return [self._c.key("rid", t, r) for t, r in self._held]
+
+    def unreleased(self) -> list[str]:
+        return list(self._unreleased)
+
+    def released(self, key: str) -> None:
+        self._unreleased.discard(key)
+
+    async def claim(self, tenant: str, request_id: str) -> bool:
+        pair = (tenant, request_id)
+        if pair in self._held:
+            return False
+        self._held[pair] = []  # before any await: a concurrent claim in this process sees it
+        key = self._c.key("rid", tenant, request_id)
+        self._unreleased.discard(key)
+        ttl_ms = int(self.ttl * 1000)
+        try:
+            owner = await self._c.pipe.call_keyed(_CLAIM, key, self._c.router_id, ttl_ms)
+            if owner and await self._c.owner_is_gone(owner):  # its router died holding it: take it
+                owner = await self._c.pipe.call("EVAL", _TAKE_OVER, 1, key, self._c.router_id, ttl_ms, owner)
+        except REDIS_ERRORS as exc:
+            self._c.warn("claim", exc)  # this process's view only; the heartbeat claims it when Redis is back
+            return True
+        except asyncio.CancelledError:
+            self._drop(pair)
+            raise
+        if not owner:
+            return True
+        self._drop(pair)
+        return False
+
+    def _drop(self, pair: tuple[str, str]) -> None:
+        self._held.pop(pair, None)
+
+    async def release(self, tenant: str, request_id: str) -> None:
+        """Local at once; the Redis key goes in the next pipeline and is awaited (bounded), so a
+        client holding its `done` may reuse the id on any router. A failed delete is retried by
+        the heartbeat (else the key expires); a caller cancelled meanwhile does not stop it."""
+        pair = (tenant, request_id)
+        if pair not in self._held:
+            return
+        self._drop(pair)
+        key = self._c.key("rid", tenant, request_id)
+        fut = self._c.pipe.submit_keyed(_RELEASE, key, self._c.router_id)
+        fut.add_done_callback(functools.partial(self._release_done, key))
+        with contextlib.suppress(*REDIS_ERRORS):
+            await asyncio.shield(fut)
+
+    def _release_done(self, key: str, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+            self._c.warn("release", exc or RedisError("release"))
+            self._unreleased.add(key)
+
+    async def release_all(self) -> None:
+        """At close: free every id still held (bounded), so another router may take them at once."""
+        keys = self.held_keys()
+        self._held.clear()
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self._c.release_keys(keys)
+
+    def on_cancel(self, tenant: str, request_id: str, callback: Callable[[], None]) -> None:
+        callbacks = self._held.get((tenant, request_id))
+        if callbacks is not None:
+            callbacks.append(callback)
+
+    def _cancel_local(self, tenant: str, request_id: str) -> bool:
+        callbacks = self._held.get((tenant, request_id))
+        if callbacks is None:
+            return False
+        for callback in list(callbacks):
+            callback()
+        return True
+
+    async def cancel(self, tenant: str, request_id: str) -> bool:
+        if self._cancel_local(tenant, request_id):
+            return True
+        try:
+            owner = await self._c.pipe.call("GET", self._c.key("rid", tenant, request_id))
+        except REDIS_ERRORS as exc:
+            self._c.warn("cancel", exc)
+            return False
+        if owner is None:
+            return False
+        owner = owner.decode() if isinstance(owner, bytes) else str(owner)
+        if owner == self._c.router_id:  # ours, and it ended meanwhile
+            return False
+        return await self._ask(owner, tenant, request_id)
+
+    async def _ask(self, owner: str, tenant: str, request_id: str) -> bool:
+        nonce = secrets.token_hex(8)
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._answers[nonce] = answer
+        try:
+            receivers = await self._c.publish(owner, {"op": "cancel", "tenant": tenant, "request_id": request_id,
+                                                      "reply_to": self._c.router_id, "nonce": nonce})
+            if receivers == 0:  # the owner is gone: its id expires with its heartbeat
+                REMOTE_CANCELS.labels("sent", "no_owner").inc()
+                return False
+            cancelled = await asyncio.wait_for(answer, self.cancel_timeout)
+            REMOTE_CANCELS.labels("sent", "cancelled" if cancelled else "not_found").inc()
+            return cancelled
+        except asyncio.TimeoutError:
+            REMOTE_CANCELS.labels("sent", "timeout").inc()
+            log.warning("cluster_cancel_timeout", owner=owner, request_id=request_id)
+            return False
+        except REDIS_ERRORS as exc:
+            self._c.warn("cancel", exc)
+            return False
+        finally:
+            self._answers.pop(nonce, None)
+
+    def remote_cancel(self, message: dict[str, Any]) -> None:
+        """Another router asks us to cancel a request we hold; the answer goes to its channel in the
+        next pipeline (an answer lost to Redis reads as False there, after its timeout)."""
+        try:
+            cancelled = self._cancel_local(str(message["tenant"]), str(message["request_id"]))
+            reply = json.dumps({"op": "cancelled", "nonce": str(message["nonce"]), "cancelled": cancelled})
+            channel = self._c.channel(str(message["reply_to"]))
+        except (KeyError, TypeError) as exc:
+            log.warning("cluster_bad_message", error=repr(exc))
+            return
+        REMOTE_CANCELS.labels("received", "cancelled" if cancelled else "not_found").inc()
+        self._c.pipe.submit("PUBLISH", channel, reply).add_done_callback(self._c.report("cancel_reply"))
+
+    def answer(self, message: dict[str, Any]) -> None:
+        answer = self._answers.get(str(message.get("nonce")))
+        if answer is not None and not answer.done():
+            answer.set_result(bool(message.get("cancelled")))
+
+
+class RedisSessionAffinity:
+    """`ports.SessionAffinity` across router processes, with a local LRU as cache and fallback."""
+
+    def __init__(self, cluster: RedisCluster, ttl: float) -> None:
+        self._c = cluster
+        self.ttl = ttl
+        self._local = LocalSessionAffinity()
+
+    def _key(self, tenant: str, session_id: str) -> str:
+        if len(session_id) > _SESSION_KEY_MAX:
+            session_id = "h:" + hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
+        return self._c.key("sess", tenant, session_id)
+
+    async def get(self, tenant: str, session_id: str) -> str:
+        try:
+            value = await self._c.pipe.call("GETEX", self._key(tenant, session_id), "PX", int(self.ttl * 1000))
+        except REDIS_ERRORS as exc:
+            self._c.warn("session", exc)
+            return await self._local.get(tenant, session_id)
+        address = value.decode() if isinstance(value, bytes) else (value or "")
+        if address:
+            await self._local.set(tenant, session_id, address)
+        return address
+
+    async def set(self, tenant: str, session_id: str, address: str) -> None:
+        await self._local.set(tenant, session_id, address)
+        fut = self._c.pipe.submit("SET", self._key(tenant, session_id), address, "PX", int(self.ttl * 1000))
+        fut.add_done_callback(self._c.report("session"))
