@@ -65,3 +65,23 @@ class RequestMetrics:
 
     def failed(self, outcome: str, reason: str) -> None:
         REQUESTS.labels(*self.labels, outcome, reason).inc()
+
+# Overload protection of this process (router_svc/overload.py) and the admission store.
+LOOP_LAG = Histogram("tokenrelay_router_loop_lag_seconds", "How late the event loop ran a 10 ms timer "
+                     "(every callback of the process waited as long)",
+                     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+LOOP_LAG_MAX = Gauge("tokenrelay_router_loop_lag_max_seconds", "Largest event-loop lag of the last second")
+PROCESS_IN_FLIGHT = Gauge("tokenrelay_router_process_in_flight",
+                          "Generate calls and chat turns this router process serves (--max-requests-in-flight)")
+REFUSED = Counter("tokenrelay_router_refused_total", "Calls refused with ROUTER_OVERLOADED, by cause "
+                  "(in_flight, loop_lag, accept_wait)", ["cause"])
+ACCEPT_WAIT = Histogram("tokenrelay_router_accept_wait_seconds", "Round trip of a health Check this router sends "
+                        "itself every 250 ms: how long a new unary call waits for its answer (gRPC's accept "
+                        "path included, which loop lag does not show)", buckets=LATENCY_BUCKETS)
+REDIS_SECONDS = Histogram("tokenrelay_router_redis_seconds", "Admission store operations by op "
+                          "(acquire, heartbeat, release), as the router sees them", ["op"], buckets=LATENCY_BUCKETS)
+REDIS_FAILURES = Counter("tokenrelay_router_redis_failures_total", "Admission store operations that "
+                         "failed, by op and cause (error, timeout)", ["op", "cause"])
+LEASES_HELD = Gauge("tokenrelay_router_leases_held", "Leases this router process heartbeats")
+LEASE_RELEASE_RETRIES = Counter("tokenrelay_router_lease_release_retries_total",
+                                "Lease releases that failed and were queued for the heartbeat loop to retry")

@@ -1,0 +1,151 @@
+"""The router's own overload gate (router_svc/overload.py): loop lag measured, in-flight bounded,
+refusals decided in O(1) with a registry reason and a retry-after."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router_svc.overload import LoopLag, OverloadGate, arrival
+from router_svc.ports import LoadGate
+from services.errors import Reason, Unavailable
+from tests.waiting import poll
+
+
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(name, labels or None)
+    return value or 0.0
+
+
+async def test_loop_lag_sees_a_stall_while_it_lasts_and_after() -> None:
+    lag = LoopLag(interval=0.005)
+    lag.start()
+    try:
+        await poll(lambda: lag.samples >= 2, what="lag samples")
+        assert lag.lag() < 0.05
+        seen: list[float] = []
+
+        def stall() -> None:
+            time.sleep(0.15)
+            seen.append(lag.lag())        # a callback running during the stall sees it already
+        before = _sample("tokenrelay_router_loop_lag_seconds_count")
+        asyncio.get_running_loop().call_soon(stall)
+        await poll(lambda: lag.last >= 0.1, what="the stall sampled")
+        assert seen and seen[0] >= 0.1
+        assert lag.recent_max() >= 0.1
+        assert _sample("tokenrelay_router_loop_lag_seconds_count") > before
+        await poll(lambda: lag.last < 0.05, what="lag back to normal")
+    finally:
+        await lag.close()
+
+
+async def test_in_flight_bound_refuses_with_reason_and_retry_after() -> None:
+    gate = OverloadGate(max_in_flight=2, max_loop_lag=0)
+    assert isinstance(gate, LoadGate)
+    a, b = gate.enter(), gate.enter()
+    before = _sample("tokenrelay_router_refused_total", cause="in_flight")
+    t0 = time.perf_counter()
+    with pytest.raises(Unavailable) as e:
+        gate.enter()
+    assert time.perf_counter() - t0 < 0.001                 # decided in well under a millisecond
+    assert e.value.reason == Reason.ROUTER_OVERLOADED and e.value.retryable
+    assert e.value.retry_after is not None and e.value.retry_after > 0
+    assert _sample("tokenrelay_router_refused_total", cause="in_flight") == before + 1
+    assert _sample("tokenrelay_router_process_in_flight") == 2
+    a.exit()
+    a.exit()                                                # idempotent: counted once
+    assert gate.in_flight == 1
+    with gate.enter():
+        assert gate.in_flight == 2
+    b.exit()
+    assert gate.in_flight == 0 and gate.refused == 1
+
+
+async def test_loop_lag_bound_refuses_during_a_stall_and_admits_after() -> None:
+    gate = OverloadGate(max_in_flight=0, max_loop_lag=0.05, lag=LoopLag(interval=0.005))
+    gate.start()
+    try:
+        await poll(lambda: gate.lag.samples >= 2, what="lag samples")
+        outcome: list[object] = []
+
+        def stalled_call() -> None:
+            time.sleep(0.12)               # the loop is 120 ms late: a call starting now is refused
+            try:
+                outcome.append(gate.enter())
+            except Unavailable as exc:
+                outcome.append(exc)
+        asyncio.get_running_loop().call_soon(stalled_call)
+        await poll(lambda: outcome, what="the stalled call")
+        assert isinstance(outcome[0], Unavailable) and outcome[0].reason == Reason.ROUTER_OVERLOADED
+        assert "lags" in outcome[0].message
+        assert outcome[0].retry_after is not None and outcome[0].retry_after >= 0.2   # ~2x the lag
+        await poll(lambda: gate.lag.lag() < 0.05, what="lag back to normal")
+        gate.enter().exit()
+    finally:
+        await gate.close()
+
+
+async def test_no_bounds_admit_everything_and_arrival_subtracts_a_stall() -> None:
+    gate = OverloadGate(max_in_flight=0, max_loop_lag=0)
+    tickets = [gate.enter() for _ in range(10_000)]
+    assert gate.in_flight == 10_000
+    for t in tickets:
+        t.exit()
+    lag = LoopLag(interval=0.005)
+    lag.start()
+    try:
+        await poll(lambda: lag.samples >= 1, what="lag samples")
+        got: list[float] = []
+
+        def late_handler() -> None:
+            time.sleep(0.1)
+            got.append(time.monotonic() - arrival(lag))
+        asyncio.get_running_loop().call_soon(late_handler)
+        await poll(lambda: got, what="the late handler")
+        assert got[0] >= 0.09
+    finally:
+        await lag.close()
+
+
+def _hog(loop: asyncio.AbstractEventLoop, until: float, each: float) -> None:
+    """A loop whose every iteration spends `each` seconds in this callback (a busy router)."""
+    time.sleep(each)
+    if time.monotonic() < until:
+        loop.call_soon(_hog, loop, until, each)
+
+
+async def test_accept_probe_sees_the_wait_before_handlers_that_loop_lag_misses() -> None:
+    from router_svc.overload import AcceptProbe
+    from services.grpc_util import GrpcServer
+
+    server = GrpcServer("127.0.0.1", 0, [])
+    await server.start()
+    lag = LoopLag(interval=0.005)
+    probe = AcceptProbe(server.address, interval=0.02)
+    gate = OverloadGate(max_in_flight=0, max_loop_lag=0, lag=lag, max_accept_wait=0.015)
+    gate.start()
+    gate.probe_server(probe)
+    try:
+        await poll(lambda: probe.samples >= 3, what="probe samples")
+        assert probe.last < 0.015, probe.last       # idle: a call is answered at once
+        gate.enter().exit()
+        loop = asyncio.get_running_loop()
+        # Every iteration now takes 4 ms: the loop is never more than an iteration late, but a call
+        # needs several iterations to be accepted and answered.
+        loop.call_soon(_hog, loop, time.monotonic() + 1.5, 0.004)
+        n = probe.samples
+        await poll(lambda: probe.samples >= n + 3, what="probe samples under load")
+        print(f"\naccept wait {probe.last * 1000:.1f} ms, loop lag {lag.lag() * 1000:.1f} ms")
+        assert probe.last > 0.015, probe.last
+        assert probe.last > lag.lag(), (probe.last, lag.lag())
+        with pytest.raises(Unavailable) as e:
+            gate.enter()
+        assert e.value.reason == Reason.ROUTER_OVERLOADED and "accept" in e.value.message
+        assert _sample("tokenrelay_router_accept_wait_seconds_count") >= probe.samples
+    finally:
+        await gate.close()
+        await server.stop(0)
