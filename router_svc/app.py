@@ -9,16 +9,19 @@ from services.errors import TokenrelayError
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import get_logger
 from services.metrics import start_metrics_server
-from services.proto.tokenrelay.v1 import inference_pb2, inference_pb2_grpc
+from services.proto.tokenrelay.v1 import inference_pb2
 from services.tracing import ServerTracingInterceptor, configure_tracing
 
+from .adapters import build_router
 from .admission import Admission
+from .cluster import RedisCluster
 from .config import RouterSettings
-from .pipeline import Router
-from .servicer import InferenceServicer
+from .overload import AcceptProbe, OverloadGate
+from .servicer import InferenceServicer, add_to_server
 from .tenants import TenantsFileError
 from .tenants_reload import TenantsReloader
 from .upstreams import EnginePool, TokenizerUpstream
+from .validation import Bounds
 
 log = get_logger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -45,20 +48,37 @@ async def serve(settings: RouterSettings) -> None:
     except TenantsFileError as exc:
         raise SystemExit(f"router_svc: {exc}") from None
     admission = Admission(settings.admission)
+    gate = OverloadGate(settings.limits.max_requests_in_flight, settings.limits.max_loop_lag_ms / 1000,
+                        max_accept_wait=settings.limits.max_accept_wait_ms / 1000)
+    # Request ids, Cancel and sessions across router processes: the admission section's Redis and pool.
+    cluster = RedisCluster(settings.admission.redis_url, settings.admission.pool,
+                           router_id=settings.cluster.router_id, op_timeout=min(settings.admission.op_timeout, 1.0),
+                           request_id_ttl=settings.cluster.request_id_ttl, session_ttl=settings.cluster.session_ttl,
+                           cancel_timeout=settings.cluster.cancel_timeout)
     tokenizer = TokenizerUpstream(upstreams.tokenizers, upstreams.upstream_timeout,
                                   max_calls=upstreams.tokenize_calls_in_flight,
                                   max_bytes=upstreams.tokenize_bytes_in_flight, security=settings.security)
-    engines = EnginePool(upstreams.engines, settings.routing.engine_poll_interval, security=settings.security)
+    engines = EnginePool(upstreams.engines, settings.routing.engine_poll_interval, security=settings.security,
+                         wake_delay=settings.routing.engine_wake_delay)
     try:
         await tenants.start()  # before the slow waits, so a SIGHUP during startup reloads, not kills
+        await cluster.start()
         await _wait_tokenizer(tokenizer, upstreams.startup_timeout)
         await engines.start()
-        router = Router(tokenizer, engines, admission, settings.limits.request_timeout,
-                        settings.routing.engine_attempts)
+        limits = settings.limits
+        gate.start()
+        router = build_router(
+            tokenizer, engines, admission, request_timeout=limits.request_timeout,
+            engine_attempts=settings.routing.engine_attempts,
+            progress_timeout=settings.routing.engine_progress_timeout,
+            bounds=Bounds(limits.max_session_id, limits.max_model_name, limits.max_messages,
+                          limits.max_role_chars, limits.max_content_chars),
+            gate=gate, registry=cluster.registry, affinity=cluster.sessions)
         server = GrpcServer(settings.server.host, settings.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
-                            security=settings.security)
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(router, tenants), server.server)
+                            security=settings.security, reuse_port=settings.cluster.reuse_port)
+        add_to_server(InferenceServicer(router, tenants), server.server)
         await server.start()
+        gate.probe_server(AcceptProbe(server.address, settings.security))   # the wait loop lag cannot see
         metrics_port = start_metrics_server(settings.server.host, telemetry.metrics_port)
         write_port_file(telemetry.metrics_port_file, metrics_port)
         write_port_file(settings.server.port_file, server.port)
@@ -69,6 +89,8 @@ async def serve(settings: RouterSettings) -> None:
         await server.stop(settings.server.shutdown_grace)
     finally:
         await tenants.close()
+        await gate.close()
+        await cluster.close()
         await engines.close()
         await tokenizer.close()
         await admission.close()

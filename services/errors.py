@@ -205,6 +205,14 @@ class Reason(StrEnum):
     CHAT_NOT_STARTED = "CHAT_NOT_STARTED", _client(InvalidArgument, "a chat stream's first message is not `start`")
     CHAT_ALREADY_STARTED = "CHAT_ALREADY_STARTED", _client(InvalidArgument, "`start` sent twice on a chat stream")
     TURN_IN_PROGRESS = "TURN_IN_PROGRESS", _client(InvalidArgument, "a chat turn while one is running")
+    INVALID_SESSION_ID = "INVALID_SESSION_ID", _client(InvalidArgument, "session id too long")
+    INVALID_MODEL = "INVALID_MODEL", _client(InvalidArgument, "model name too long")
+    TOO_MANY_MESSAGES = "TOO_MANY_MESSAGES", _client(InvalidArgument, "more chat messages than allowed, or a "
+                                                     "role / content over its length bound")
+    INVALID_DELTA_OPTIONS = "INVALID_DELTA_OPTIONS", _client(InvalidArgument, "min_delta_tokens or "
+                                                             "min_delta_interval_ms out of range")
+    MALFORMED_MESSAGE = "MALFORMED_MESSAGE", _client(InvalidArgument, "a message that does not decode "
+                                                     "(bad protobuf, invalid UTF-8 in a string)")
     UNKNOWN_SESSION = "UNKNOWN_SESSION", _client(NotFound, "a session id of another tenant")
     # -- limits, overload and availability
     TENANT_CONCURRENCY_LIMIT = "TENANT_CONCURRENCY_LIMIT", _client(
@@ -215,12 +223,17 @@ class Reason(StrEnum):
                                              retryable=True, retry_after=0.1)
     ENGINE_UNAVAILABLE = "ENGINE_UNAVAILABLE", _client(Unavailable, "the engine backend is stopped or failed",
                                                        retryable=True, retry_after=1.0)
+    ENGINE_STALLED = "ENGINE_STALLED", _client(Unavailable, "an engine replica sent nothing for longer than "
+                                               "--engine-progress-timeout", retryable=True, retry_after=1.0)
     UPSTREAM_UNAVAILABLE = "UPSTREAM_UNAVAILABLE", _client(Unavailable, "an upstream service cannot be "
                                                            "reached, or its stream broke", retryable=True)
     NO_HEALTHY_REPLICA = "NO_HEALTHY_REPLICA", _client(Unavailable, "no healthy engine replica is left",
                                                        retry_after=1.0)
     REDIS_UNAVAILABLE = "REDIS_UNAVAILABLE", _client(Unavailable, "the admission store is unreachable "
                                                      "(fail-closed)", retry_after=1.0)
+    ROUTER_OVERLOADED = "ROUTER_OVERLOADED", _client(Unavailable, "this router process is over its "
+                                                     "in-flight or event-loop-lag bound (another router may "
+                                                     "serve it)", retryable=True, retry_after=0.1)
     TOKENIZE_TIMEOUT = "TOKENIZE_TIMEOUT", _client(DeadlineExceeded, "tokenization did not finish in time")
     # -- failures of the mesh
     ENGINE_ERROR = "ENGINE_ERROR", _client(Internal, "the engine failed the request")

@@ -78,7 +78,8 @@ def test_an_error_built_from_a_reason_takes_its_class_and_default_retry_after() 
 
 def test_retryable_is_the_failures_another_replica_may_cure() -> None:
     retryable = {r.name for r in Reason if r.retryable}
-    assert retryable == {"OVERLOADED", "SHUTTING_DOWN", "ENGINE_UNAVAILABLE", "UPSTREAM_UNAVAILABLE", "UNAVAILABLE"}
+    assert retryable == {"OVERLOADED", "SHUTTING_DOWN", "ENGINE_UNAVAILABLE", "UPSTREAM_UNAVAILABLE", "UNAVAILABLE",
+                         "ENGINE_STALLED", "ROUTER_OVERLOADED"}   # the last: another router process may serve it
     assert all(Reason[r].code == grpc.StatusCode.UNAVAILABLE for r in retryable)
 
 

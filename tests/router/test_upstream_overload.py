@@ -19,6 +19,7 @@ import pytest
 
 from engine_svc.app import start_engine
 from engine_svc.config import EngineSettings
+from router_svc.adapters import build_router
 from router_svc.pipeline import Router
 from router_svc.tenants import Tenant
 from router_svc.types import Delta, Done, GenerateInput, Sampling
@@ -62,8 +63,7 @@ async def mesh(tmp_path: pathlib.Path, engines: tuple[dict[str, Any], ...] = ({}
     try:
         await upstream.info()
         await pool.start()
-        yield Router(upstream, pool, AlwaysAdmit(), request_timeout=30,  # type: ignore[arg-type]
-                     engine_attempts=engine_attempts), tok
+        yield build_router(upstream, pool, AlwaysAdmit(), request_timeout=30, engine_attempts=engine_attempts), tok
     finally:
         await pool.close()
         await upstream.close()
@@ -139,7 +139,9 @@ async def _hold_first(router: Router, session_id: str) -> AsyncIterator[Any]:
 async def test_an_in_band_engine_overload_is_retried_on_another_replica(tmp_path: pathlib.Path) -> None:
     async with mesh(tmp_path, engines=(TINY_ENGINE, {})) as (router, _):
         first = await _hold_first(router, "s")
-        busy = router._live["first"].replica
+        state = router.live(TENANT.name, "first")
+        busy = next(r for r in router.ports.engines.pool.replicas  # type: ignore[attr-defined]
+                    if state is not None and r.address == state.replica)
         # The same session goes to the same (full) replica first; the registry says OVERLOADED is
         # retryable, so the router tries the other one before any token.
         second = GenerateInput(Sampling(max_tokens=4), prompt="hello", request_id="second", session_id="s")
