@@ -92,45 +92,27 @@ class DetokenizeAdapter:
 
 # -------------------------------------------------------------------------------------- admission
 class LeaseStore(Protocol):
-    """What `admission.Admission` offers today."""
+    """What `admission.Admission` offers: leases, and the process's one `LeaseBook` that keeps
+    every held lease alive (no task per request)."""
 
-    settings: Any
+    leases: Any
 
     async def acquire(self, tenant: str, request_id: str, limit: int) -> int: ...
-
-    async def heartbeat(self, tenant: str, request_id: str) -> bool: ...
 
     async def release(self, tenant: str, request_id: str) -> None: ...
 
 
 class _LeaseGrant:
-    def __init__(self, store: LeaseStore, tenant: str, request_id: str, heartbeat: float) -> None:
+    def __init__(self, store: LeaseStore, tenant: str, request_id: str) -> None:
         self._store, self._tenant, self._request_id = store, tenant, request_id
         self._settled = False
-        # admission.Admission keeps every lease of the process alive from one task (its LeaseBook).
-        self._book = getattr(store, "leases", None)
-        if self._book is not None:
-            self._book.add(tenant, request_id)
-            heartbeat = 0
-        self._beat = asyncio.create_task(self._heartbeats(heartbeat)) if heartbeat > 0 else None
-
-    async def _heartbeats(self, every: float) -> None:
-        while True:
-            await asyncio.sleep(every)
-            try:
-                if not await self._store.heartbeat(self._tenant, self._request_id):
-                    log.warning("lease_lost", request_id=self._request_id)
-            except Exception as exc:  # noqa: BLE001 - a missed beat is logged; the TTL covers it
-                log.warning("lease_heartbeat_failed", request_id=self._request_id, error=str(exc))
+        store.leases.add(tenant, request_id)   # heartbeated with every other lease of the process
 
     async def settle(self, usage: Usage) -> None:
         if self._settled:
             return
         self._settled = True
-        if self._beat is not None:
-            self._beat.cancel()
-        if self._book is not None:
-            self._book.discard(self._tenant, self._request_id)
+        self._store.leases.discard(self._tenant, self._request_id)
         await _release(self._store, self._tenant, self._request_id)
 
 
@@ -165,9 +147,7 @@ class LeaseAdmission:
         except asyncio.CancelledError:
             _release_later(self.store, tenant, request_id)
             raise
-        settings = getattr(self.store, "settings", None)
-        heartbeat = float(getattr(settings, "heartbeat", 0) or 0)
-        return _LeaseGrant(self.store, tenant, request_id, heartbeat)
+        return _LeaseGrant(self.store, tenant, request_id)
 
 
 # --------------------------------------------------------------------------------------- overload

@@ -21,7 +21,6 @@ The full priority / fair queue builds on these leases (a later issue).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -36,6 +35,7 @@ from redis.exceptions import RedisError
 from services.config import MaskedUrl, Section, conflict, flag
 from services.errors import Reason
 from services.logging import get_logger
+from services.tasks import OwnedTask
 
 from . import metrics
 
@@ -305,7 +305,7 @@ class LeaseBook:
         self._admission = admission
         self._held: dict[str, set[str]] = {}
         self._pending: dict[tuple[str, str], float] = {}   # failed releases -> give up after (monotonic)
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("lease-heartbeats")
 
     def __len__(self) -> int:
         return sum(len(ids) for ids in self._held.values())
@@ -317,8 +317,7 @@ class LeaseBook:
     def add(self, tenant: str, request_id: str) -> None:
         self._held.setdefault(tenant, set()).add(request_id)
         metrics.LEASES_HELD.inc()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-heartbeats")
+        self._task.ensure(self._run)
 
     def discard(self, tenant: str, request_id: str) -> None:
         ids = self._held.get(tenant)
@@ -331,8 +330,7 @@ class LeaseBook:
     def release_later(self, tenant: str, request_id: str) -> None:
         self._pending[(tenant, request_id)] = time.monotonic() + self._admission.settings.lease_ttl
         metrics.LEASE_RELEASE_RETRIES.inc()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-heartbeats")
+        self._task.ensure(self._run)
 
     def released(self, tenant: str, request_id: str) -> None:
         self._pending.pop((tenant, request_id), None)
@@ -361,11 +359,7 @@ class LeaseBook:
             log.warning("lease_lost", tenant=tenant, request_id=request_id)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.close()
 
 
 class LeaseKeeper:

@@ -29,7 +29,6 @@ the probe is a metric, not yet a bound (docs/architecture.md, "Overload").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from types import TracebackType
 
@@ -39,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.channels import open_channel
 from services.errors import Reason
 from services.security import PLAINTEXT, SecuritySettings
+from services.tasks import OwnedTask
 
 from . import metrics
 
@@ -59,18 +59,13 @@ class LoopLag:
         self.last = 0.0            # the last completed sample, seconds
         self.samples = 0
         self._due: float | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("loop-lag")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag")
+        self._task.ensure(self._run)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.close()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -119,18 +114,13 @@ class AcceptProbe:
         self.interval, self.timeout = interval, timeout
         self.last = 0.0        # seconds, the last probe's round trip (timeout when it failed)
         self.samples = 0
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("accept-probe")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="accept-probe")
+        self._task.ensure(self._run)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.close()
 
     async def _run(self) -> None:
         channel = open_channel(self.address, self.security)

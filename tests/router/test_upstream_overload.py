@@ -34,12 +34,19 @@ from tokenizer_svc.config import TokenizerSettings
 TENANT = Tenant(name="t", api_key_sha256="0" * 64)
 
 
+class _NoLeases:
+    def add(self, tenant: str, request_id: str) -> None:
+        return None
+
+    def discard(self, tenant: str, request_id: str) -> None:
+        return None
+
+
 class AlwaysAdmit:
+    leases = _NoLeases()
+
     async def acquire(self, tenant: str, request_id: str, limit: int) -> int:
         return 1
-
-    async def heartbeat(self, tenant: str, request_id: str) -> bool:
-        return True
 
     async def release(self, tenant: str, request_id: str) -> None:
         return None

@@ -1,0 +1,34 @@
+"""One owned background task: started by its owner, cancelled and awaited by its owner's close().
+
+Every long-lived task in a service has an owner with start/close (house style); this is the one
+implementation of that pair, so no owner hand-writes the cancel-and-await dance again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+
+class OwnedTask:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def ensure(self, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Start ``run()`` unless it is already running (a task that ended may be started again)."""
+        if not self.running:
+            self._task = asyncio.get_running_loop().create_task(run(), name=self.name)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
