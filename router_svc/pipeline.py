@@ -185,14 +185,23 @@ class Router:
         tenant.check_model(inp.model)
         tenant.resolve_priority(inp.priority)
         state.check_deadline()
-        # Claimed before any await: a second identical id of this tenant fails at once, the first runs.
-        if not await registry.claim(tenant.name, state.request_id):
+        # The prompt is tokenized while the id claim (a Redis round trip with several routers) is
+        # answered; nothing reaches the client, admission or an engine before it is. The claim is
+        # taken before its first await: a second identical id of this tenant fails, the first runs.
+        tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
+        try:
+            claimed = await registry.claim(tenant.name, state.request_id)
+        except BaseException:
+            await _discard(tokenizing)
+            raise
+        if not claimed:
+            await _discard(tokenizing)
             raise Reason.DUPLICATE_REQUEST_ID.error(f"request id {state.request_id!r} is already in flight")
         self._live[state.key] = state
         done: Done | None = None
         try:
             registry.on_cancel(tenant.name, state.request_id, state.cancel)
-            await self._tokenize(tenant, state, rctx)
+            await tokenizing
             check_lengths(state.prompt_ids, inp.sampling, tenant, self._max_context())
             yield Accepted(state.request_id, len(state.prompt_ids))
             grant = await self._admit(tenant, state, rctx)
@@ -274,9 +283,7 @@ class Router:
             yield self._done(state, metrics, final)
         finally:
             ending.close()
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pump
+            await _discard(pump)
             if state.replica:
                 if not state.engine_done:
                     self.ports.engines.abort(state.replica, state.upstream_id)
@@ -390,6 +397,13 @@ def _stage_ended(state: RequestState, detok: DetokSessionPort) -> None:
     failures reach the detokenizer first; this covers a stage cancelled from outside)."""
     if not state.engine_done:
         detok.fail(Reason.ENGINE_ERROR.error("the engine stage ended without a result"))
+
+
+async def _discard(task: asyncio.Future[None]) -> None:
+    """Cancel work whose result is no longer wanted and wait for it (its error is moot)."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 async def _settle(grant: Grant, state: RequestState) -> None:
