@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tokenizer_svc.chat_template import GEMMA
+from tokenrelay_tools import env
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 DEFAULT_MODEL_LICENSE = (
@@ -59,11 +60,8 @@ Log = Callable[[str], Any]
 
 
 def default_cache_root() -> pathlib.Path:
-    """$TOKENRELAY_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/tokenrelay."""
-    if os.environ.get("TOKENRELAY_CACHE"):
-        return pathlib.Path(os.environ["TOKENRELAY_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(xdg) / "tokenrelay"
+    """$TOKENRELAY_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/tokenrelay (`tokenrelay_tools.env`)."""
+    return env.cache_root()
 
 
 def is_built(model_dir: pathlib.Path) -> bool:

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import pathlib
 import signal
 import sys
@@ -22,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from services.errors import TokenrelayError
+from tokenrelay_tools import env
 from tokenrelay_tools.cli.launcher import DEFAULT_STATE
 
 from .plot import PlotUnavailable, require_matplotlib, write_plots
@@ -174,7 +174,7 @@ class _State:
 
 def _keys(args: argparse.Namespace, state: _State) -> tuple[dict[str, str], str]:
     keys: dict[str, str] = {}
-    default = os.environ.get("TOKENRELAY_API_KEY", "")
+    default = env.api_key()
     for item in args.api_key:
         name, sep, key = item.partition("=")
         if sep:

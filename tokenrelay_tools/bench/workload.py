@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import random
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,6 +33,8 @@ from dataclasses import replace
 from typing import Any
 
 import yaml
+
+from tokenrelay_tools import env
 
 from .spec import (
     PRIORITY_NAMES,
@@ -177,8 +178,7 @@ def parse_workload(spec: Mapping[str, Any], *, name: str = "", base_dir: pathlib
 
 
 def workload_dirs() -> list[pathlib.Path]:
-    extra = os.environ.get("TOKENRELAY_BENCH_WORKLOADS", "")
-    return [pathlib.Path(p) for p in extra.split(os.pathsep) if p] + [_REPO_WORKLOADS]
+    return [*env.bench_workload_dirs(), _REPO_WORKLOADS]
 
 
 def available_workloads() -> dict[str, pathlib.Path]:

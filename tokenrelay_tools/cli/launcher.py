@@ -28,10 +28,9 @@ import time
 from dataclasses import dataclass, field
 
 from services.grpc_util import wait_healthy
+from tokenrelay_tools import env
 
-# Same rule as tokenrelay_tools.default_model.default_cache_root().
-CACHE = pathlib.Path(os.environ.get("TOKENRELAY_CACHE")
-                     or pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "tokenrelay")
+CACHE = env.cache_root()
 DEFAULT_STATE = CACHE / "local.json"
 
 
@@ -80,8 +79,8 @@ class Mesh:
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
         log_file = open(log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
                                  start_new_session=True, preexec_fn=_die_with_parent)
         log_file.close()
         proc = _Proc(name, popen, log_path)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import os
 import pathlib
 import signal
 import sys
 from typing import Any
 
 from services.errors import TokenrelayError
+from tokenrelay_tools import env
 from tokenrelay_tools.bench.cli import add_bench_parser, run_bench
 
 from .launcher import CACHE, DEFAULT_STATE, Mesh, MeshOptions, read_state, tail
@@ -57,7 +57,7 @@ async def _up(args: argparse.Namespace) -> int:
     model, serving = _resolve_model(args.model, args.engine)
     options = MeshOptions(
         model=model, engine=args.engine, port=args.port, host=args.host,
-        redis_url=args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL", ""),
+        redis_url=args.redis_url or env.redis_url(),
         run_dir=pathlib.Path(args.run_dir), state_file=pathlib.Path(args.state_file),
         max_in_flight=args.max_in_flight, tokenizer_replicas=args.tokenizers, engine_replicas=args.engines,
         routers=args.routers, engine_args=args.engine_arg,
@@ -96,7 +96,7 @@ def _connection(args: argparse.Namespace) -> tuple[str, str]:
     if args.address and args.api_key:
         return args.address, args.api_key
     state = read_state(pathlib.Path(args.state_file))
-    return args.address or state["router"], args.api_key or os.environ.get("TOKENRELAY_API_KEY") or state["api_key"]
+    return args.address or state["router"], args.api_key or env.api_key() or state["api_key"]
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
