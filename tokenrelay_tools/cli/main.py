@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import math
 import pathlib
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from services.errors import TokenrelayError
 from tokenrelay_tools import env
@@ -108,7 +109,7 @@ async def _generate(args: argparse.Namespace) -> int:
     from services.client import Client, Finished, TextDelta
 
     address, key = _connection(args)
-    async with Client(address, key) as client:
+    async with Client(address, key, timeout=args.timeout) as client:
         async for event in client.stream(args.prompt, **_sampling(args)):
             if isinstance(event, TextDelta):
                 sys.stdout.write(event.text)
@@ -160,8 +161,43 @@ def _count(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad value is one line (the command, the flag, why) and exit status 2, without the usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _bounded(kind: type[int] | type[float], low: float, high: float) -> Any:
+    """An argparse type: a finite `kind` in [low, high], else a one-line reason."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value) or not low <= value <= high:
+            shown = (f"{low:g}", f"{high:g}") if kind is float else (str(int(low)), str(int(high)))
+            raise argparse.ArgumentTypeError(f"must be between {shown[0]} and {shown[1]}, got {text}")
+        return value
+    return parse
+
+
+def _prompt(text: str) -> str:
+    """A prompt argument: `-` reads standard input, `@path` a file, anything else is the prompt."""
+    if text == "-":
+        return sys.stdin.read()
+    if text.startswith("@") and len(text) > 1:
+        try:
+            return pathlib.Path(text[1:]).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read the prompt file {text[1:]!r}: "
+                                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenrelay", description="tokenrelay: a gRPC mesh for serving LLMs")
+    p = _Parser(prog="tokenrelay", description="tokenrelay: a gRPC mesh for serving LLMs")
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run the whole mesh on this machine (foreground; Ctrl-C stops)")
@@ -187,16 +223,19 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--address", default="", help="router host:port (default: the local mesh)")
         sp.add_argument("--api-key", default="", help="API key (default: $TOKENRELAY_API_KEY or the local dev key)")
         sp.add_argument("--state-file", default=str(DEFAULT_STATE))
-        sp.add_argument("--max-tokens", type=int, default=128)
-        sp.add_argument("--temperature", type=float, default=0.0)
-        sp.add_argument("--top-p", type=float, default=0.0)
-        sp.add_argument("--top-k", type=int, default=0)
-        sp.add_argument("--seed", type=int, default=None)
+        sp.add_argument("--max-tokens", type=_bounded(int, 1, 1 << 20), default=128, help="1 to 1048576")
+        sp.add_argument("--temperature", type=_bounded(float, 0, 100), default=0.0, help="0 (greedy) to 100")
+        sp.add_argument("--top-p", type=_bounded(float, 0, 1), default=0.0, help="0 (off) to 1")
+        sp.add_argument("--top-k", type=_bounded(int, 0, 1 << 20), default=0, help="0 (off) to 1048576")
+        sp.add_argument("--seed", type=_bounded(int, 0, (1 << 64) - 1), default=None,
+                        help="per-request seed (the sim engine; hf refuses it)")
         sp.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
     gen = sub.add_parser("generate", help="stream a completion to stdout")
     client_opts(gen)
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", type=_prompt, help="the prompt; '-' reads standard input, '@FILE' a file")
+    gen.add_argument("--timeout", type=_bounded(float, 0.001, 86_400), default=600.0,
+                     help="seconds the request may take before it ends with DEADLINE_EXCEEDED (default 600)")
     chat = sub.add_parser("chat", help="interactive multi-turn chat")
     client_opts(chat)
     chat.add_argument("--system", default=None, help="system prompt")
