@@ -48,6 +48,7 @@ from services.logging import get_logger
 
 from .cluster_redis import REDIS_ERRORS, Pipeliner, Warned, open_redis, stop_tasks
 from .placement import LocalSessionAffinity
+from .request import LocalRequestRegistry
 
 log = get_logger(__name__)
 
@@ -240,17 +241,17 @@ class RedisRequestRegistry:
         self._c = cluster
         self.ttl = ttl
         self.cancel_timeout = cancel_timeout
-        self._held: dict[tuple[str, str], list[Callable[[], None]]] = {}
+        self._local = LocalRequestRegistry()   # this process's ids and their cancel callbacks
         self._unreleased: set[str] = set()
         self._answers: dict[str, asyncio.Future[bool]] = {}
-        HELD_IDS.set_function(lambda: len(self._held))  # read at scrape time, not per request
+        HELD_IDS.set_function(lambda: len(self._local))  # read at scrape time, not per request
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        return len(self._local)
 
     def held_keys(self) -> list[str]:
-        return [self._c.key("rid", t, r) for t, r in self._held]
+        return [self._c.key("rid", t, r) for t, r in self._local.pairs()]
 
     def unreleased(self) -> list[str]:
         return list(self._unreleased)
@@ -259,10 +260,8 @@ class RedisRequestRegistry:
         self._unreleased.discard(key)
 
     async def claim(self, tenant: str, request_id: str) -> bool:
-        pair = (tenant, request_id)
-        if pair in self._held:
+        if not self._local.take(tenant, request_id):  # before any await: a concurrent claim here sees it
             return False
-        self._held[pair] = []  # before any await: a concurrent claim in this process sees it
         key = self._c.key("rid", tenant, request_id)
         self._unreleased.discard(key)
         ttl_ms = int(self.ttl * 1000)
@@ -274,24 +273,19 @@ class RedisRequestRegistry:
             self._c.warn("claim", exc)  # this process's view only; the heartbeat claims it when Redis is back
             return True
         except asyncio.CancelledError:
-            self._drop(pair)
+            self._local.drop(tenant, request_id)
             raise
         if not owner:
             return True
-        self._drop(pair)
+        self._local.drop(tenant, request_id)
         return False
-
-    def _drop(self, pair: tuple[str, str]) -> None:
-        self._held.pop(pair, None)
 
     async def release(self, tenant: str, request_id: str) -> None:
         """Local at once; the Redis key goes in the next pipeline and is awaited (bounded), so a
         client holding its `done` may reuse the id on any router. A failed delete is retried by
         the heartbeat (else the key expires); a caller cancelled meanwhile does not stop it."""
-        pair = (tenant, request_id)
-        if pair not in self._held:
+        if not self._local.drop(tenant, request_id):
             return
-        self._drop(pair)
         key = self._c.key("rid", tenant, request_id)
         fut = self._c.pipe.submit_keyed(_RELEASE, key, self._c.router_id)
         fut.add_done_callback(functools.partial(self._release_done, key))
@@ -307,22 +301,15 @@ class RedisRequestRegistry:
     async def release_all(self) -> None:
         """At close: free every id still held (bounded), so another router may take them at once."""
         keys = self.held_keys()
-        self._held.clear()
+        self._local.clear()
         with contextlib.suppress(*REDIS_ERRORS):
             await self._c.release_keys(keys)
 
     def on_cancel(self, tenant: str, request_id: str, callback: Callable[[], None]) -> None:
-        callbacks = self._held.get((tenant, request_id))
-        if callbacks is not None:
-            callbacks.append(callback)
+        self._local.on_cancel(tenant, request_id, callback)
 
     def _cancel_local(self, tenant: str, request_id: str) -> bool:
-        callbacks = self._held.get((tenant, request_id))
-        if callbacks is None:
-            return False
-        for callback in list(callbacks):
-            callback()
-        return True
+        return self._local.cancel_held(tenant, request_id)
 
     async def cancel(self, tenant: str, request_id: str) -> bool:
         if self._cancel_local(tenant, request_id):

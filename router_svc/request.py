@@ -85,23 +85,41 @@ class LocalRequestRegistry:
     def __len__(self) -> int:
         return len(self._held)
 
-    async def claim(self, tenant: str, request_id: str) -> bool:
+    def pairs(self) -> list[tuple[str, str]]:
+        return list(self._held)
+
+    # The synchronous steps, shared with the Redis-backed registry (router_svc.cluster), which keeps
+    # its local view in one of these.
+    def take(self, tenant: str, request_id: str) -> bool:
         key = (tenant, request_id)
         if key in self._held:
             return False
         self._held[key] = []
         return True
 
-    async def release(self, tenant: str, request_id: str) -> None:
-        self._held.pop((tenant, request_id), None)
+    def drop(self, tenant: str, request_id: str) -> bool:
+        """Forget the id; whether it was held."""
+        return self._held.pop((tenant, request_id), None) is not None
 
-    async def cancel(self, tenant: str, request_id: str) -> bool:
+    def clear(self) -> None:
+        self._held.clear()
+
+    def cancel_held(self, tenant: str, request_id: str) -> bool:
         callbacks = self._held.get((tenant, request_id))
         if callbacks is None:
             return False
         for callback in list(callbacks):
             callback()
         return True
+
+    async def claim(self, tenant: str, request_id: str) -> bool:
+        return self.take(tenant, request_id)
+
+    async def release(self, tenant: str, request_id: str) -> None:
+        self.drop(tenant, request_id)
+
+    async def cancel(self, tenant: str, request_id: str) -> bool:
+        return self.cancel_held(tenant, request_id)
 
     def on_cancel(self, tenant: str, request_id: str, callback: Callable[[], None]) -> None:
         callbacks = self._held.get((tenant, request_id))
