@@ -3,6 +3,10 @@ down gracefully."""
 
 from __future__ import annotations
 
+import asyncio
+
+from grpc_health.v1 import health_pb2
+
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import get_logger
 from services.metrics import start_metrics_server
@@ -10,6 +14,7 @@ from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
 from services.tracing import ServerTracingInterceptor, configure_tracing
 
 from .backends import create_backend
+from .backends.events import HealthState
 from .config import EngineSettings
 from .engine import Engine
 from .servicer import EngineServicer
@@ -26,7 +31,28 @@ async def start_engine(settings: EngineSettings) -> tuple[Engine, GrpcServer]:
                         security=settings.security)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
     await server.start()
+    _report_death(engine, server)
     return engine, server
+
+
+def _report_death(engine: Engine, server: GrpcServer) -> None:
+    """A dead backend makes the standard health service answer NOT_SERVING (load balancers and
+    the launcher stop sending work; the process stays up so its logs and metrics can be read)."""
+    pending: set[asyncio.Task[None]] = set()
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            result = server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            if asyncio.iscoroutine(result):
+                await result
+
+    def on_change() -> None:
+        if engine.health is HealthState.DEAD and not pending:
+            task = asyncio.get_running_loop().create_task(not_serving(), name="engine-health-not-serving")
+            pending.add(task)
+
+    engine.on_health_change(on_change)
+    on_change()   # it may have died while the server started
 
 
 def start_metrics(settings: EngineSettings) -> int:

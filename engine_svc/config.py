@@ -14,6 +14,9 @@ from services.config import ServiceSettings, conflict, section
 
 from .backends.hf import HfConfig
 from .backends.sim import SimConfig
+from .backends.triton_config import TritonConfig
+from .backends.trtllm_config import TrtllmConfig
+from .backends.trtllm_grpc_config import TrtllmGrpcConfig
 
 
 class EngineSettings(ServiceSettings):
@@ -22,13 +25,18 @@ class EngineSettings(ServiceSettings):
     ENV_PREFIX: ClassVar[str] = "TOKENRELAY_ENGINE_"
     PROG: ClassVar[str] = "engine_svc"
 
-    backend: Literal["sim", "hf"] = Field("sim", description="engine backend")
+    backend: Literal["sim", "hf", "trtllm", "trtllm-grpc", "triton"] = Field("sim", description="engine backend")
     model: str = Field("", description="hf: model directory (config.json + safetensors); sim: the model name "
                                        f"to report (default {SimConfig().model})")
     max_queued: int = Field(1024, ge=0, description="requests that may wait beyond the running batch; more "
                                                     "are rejected with OVERLOADED")
     sim: SimConfig = section(SimConfig, "sim backend", prefix="sim_")
     hf: HfConfig = section(HfConfig, "hf backend", prefix="hf_")
+    trtllm: TrtllmConfig = section(TrtllmConfig, "trtllm backend (TensorRT-LLM's LLM API in process)", prefix="trtllm_")
+    trtllm_grpc: TrtllmGrpcConfig = section(TrtllmGrpcConfig, "trtllm-grpc backend (a trtllm-serve --grpc server)",
+                                            prefix="trtllm_grpc_")
+    triton: TritonConfig = section(TritonConfig, "triton backend (Triton with the TensorRT-LLM backend)",
+                                   prefix="triton_")
 
     @model_validator(mode="after")
     def _hf_needs_a_model(self) -> EngineSettings:
@@ -36,7 +44,10 @@ class EngineSettings(ServiceSettings):
             raise conflict("the hf backend needs --model (a Hugging Face model directory)", "model", "backend")
         return self
 
-    def backend_config(self) -> SimConfig | HfConfig:
+    def backend_config(self) -> SimConfig | HfConfig | TrtllmConfig | TrtllmGrpcConfig | TritonConfig:
         """The selected backend's section, with --model applied when given."""
         config: SimConfig | HfConfig = self.sim if self.backend == "sim" else self.hf
+        if self.backend in ("trtllm", "trtllm-grpc", "triton"):   # sections named after their backend
+            remote: TrtllmConfig | TrtllmGrpcConfig | TritonConfig = getattr(self, self.backend.replace("-", "_"))
+            return remote.model_copy(update={"model": self.model}) if self.model else remote
         return config.model_copy(update={"model": self.model}) if self.model else config

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from services.metrics import FAST_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS
 
 from .backends.base import Backend, FinishReason, StepStats
+from .backends.events import HealthState
 
 _P = "tokenrelay_engine_"
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -130,6 +131,11 @@ class LoadCollector(Collector):
                                 value=hits / lookups if lookups else 0.0)
         yield CounterMetricFamily(_P + "kv_evicted_blocks", "Cached KV blocks evicted for new allocations",
                                   value=sum(c.evicted_blocks for c in caches))
+        yield GaugeMetricFamily(_P + "dead", "1 when the backend reported its engine dead (the service then "
+                                "answers NOT_SERVING and fails every request)",
+                                value=sum(1 for b in backends if b.health() is HealthState.DEAD))
+        yield CounterMetricFamily(_P + "kv_events", "KV-cache events published to subscribers (SubscribeKvEvents)",
+                                  value=sum(b.kv_events_published for b in backends))
 
 
 LOAD = LoadCollector()

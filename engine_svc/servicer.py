@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,9 +11,16 @@ from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.wire import FINISH_CODES
 
 from .backends.base import FinishReason, GenerationRequest, LoadSnapshot
+from .backends.events import HealthState, IterationStats, KvEvent, KvEventType
 from .engine import Engine
 from .outbox import Chunk
 from .session import Inbound, StreamSession
+
+_HEALTH = {HealthState.SERVING: engine_pb2.ENGINE_HEALTH_SERVING,
+           HealthState.DRAINING: engine_pb2.ENGINE_HEALTH_DRAINING, HealthState.DEAD: engine_pb2.ENGINE_HEALTH_DEAD}
+_KV_EVENT = {KvEventType.STORED: engine_pb2.KV_EVENT_STORED, KvEventType.REMOVED: engine_pb2.KV_EVENT_REMOVED,
+             KvEventType.CREATED: engine_pb2.KV_EVENT_CREATED, KvEventType.UPDATED: engine_pb2.KV_EVENT_UPDATED}
+_MASK64 = (1 << 64) - 1
 
 
 def request_from_proto(r: engine_pb2.EngineRequest) -> GenerationRequest:
@@ -22,7 +30,8 @@ def request_from_proto(r: engine_pb2.EngineRequest) -> GenerationRequest:
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else None, stop_token_ids=list(s.stop_token_ids),
         eos_token_ids=list(r.eos_token_ids), ignore_eos=s.ignore_eos, cache_salt=r.cache_salt,
-        trace_context=dict(r.trace_context))
+        trace_context=dict(r.trace_context), priority=int(r.priority),
+        deadline=time.monotonic() + r.timeout_ms / 1000 if r.timeout_ms else None)
 
 
 def _finish_code(reason: FinishReason | None) -> common_pb2.FinishReason:
@@ -36,14 +45,38 @@ def chunk_to_proto(c: Chunk) -> engine_pb2.TokenChunk:
         error_reason=c.error_reason, error_message=c.error_message)
 
 
-def load_to_proto(s: LoadSnapshot, draining: bool = False) -> engine_pb2.LoadReport:
+def stats_to_proto(t: IterationStats) -> engine_pb2.IterationStats:
+    return engine_pb2.IterationStats(
+        iteration=t.iteration, active_requests=t.active, queued_requests=t.queued,
+        kv_blocks_total=t.kv_blocks_total, kv_blocks_used=t.kv_blocks_used, kv_blocks_free=t.kv_blocks_free,
+        kv_blocks_reused=t.kv_blocks_reused, kv_blocks_missed=t.kv_blocks_missed,
+        kv_cache_hit_rate=t.kv_cache_hit_rate, context_requests=t.context_requests,
+        generation_requests=t.generation_requests, paused_requests=t.paused_requests,
+        iteration_latency_ms=t.iteration_latency_ms)
+
+
+def load_to_proto(s: LoadSnapshot, draining: bool = False, health: HealthState | None = None,
+                  stats: IterationStats | None = None) -> engine_pb2.LoadReport:
+    health = health or (HealthState.DRAINING if draining else HealthState.SERVING)
     return engine_pb2.LoadReport(
         backend=s.backend, model=s.model, active_requests=s.active, queued_requests=s.queued,
         max_active_requests=s.max_active, kv_blocks_total=s.kv_blocks_total,
         kv_blocks_used=s.kv_blocks_used, tokens_per_block=s.tokens_per_block,
         max_context=s.max_context, prompt_tokens_total=s.prompt_tokens_total,
         cached_tokens_total=s.cached_tokens_total, generated_tokens_total=s.generated_tokens_total,
-        draining=draining)
+        draining=draining or health is not HealthState.SERVING, health=_HEALTH[health],
+        stats=stats_to_proto(stats) if stats is not None else None)
+
+
+def kv_event_to_proto(e: KvEvent) -> engine_pb2.KvCacheEvent:
+    # Hashes are 64-bit on the wire; an engine's Python ints may be signed (C++ size_t via pybind is not).
+    return engine_pb2.KvCacheEvent(
+        event_id=e.event_id, type=_KV_EVENT[e.type], window_size=e.window_size,
+        parent_hash=e.parent_hash & _MASK64 if e.parent_hash is not None else None,
+        blocks=[engine_pb2.KvBlock(block_hash=b.block_hash & _MASK64, tokens=b.token_ids,
+                                   cache_level=b.cache_level, priority=b.priority) for b in e.blocks],
+        block_hashes=[h & _MASK64 for h in e.block_hashes],
+        num_blocks_per_cache_level=e.num_blocks_per_cache_level)
 
 
 async def _inbound(messages: AsyncIterator[engine_pb2.EngineInbound]) -> AsyncIterator[Inbound]:
@@ -74,4 +107,23 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def GetLoad(self, request: engine_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.LoadReport:
-        return load_to_proto(self._engine.load(), self._engine.draining)
+        engine = self._engine
+        health = engine.health
+        return load_to_proto(engine.load(), health is not HealthState.SERVING, health, engine.iteration_stats())
+
+    async def SubscribeKvEvents(self, request: engine_pb2.KvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.KvEventBatch]:
+        engine = self._engine
+        load = engine.load()
+        enabled = engine.backend.emits_kv_events and engine.health is not HealthState.DEAD
+        subscription = engine.subscribe_kv_events()
+        context.add_done_callback(lambda _ctx: subscription.close())
+        try:
+            yield engine_pb2.KvEventBatch(info=engine_pb2.KvEventsInfo(
+                backend=load.backend, model=load.model, enabled=enabled, tokens_per_block=load.tokens_per_block))
+            if not enabled:
+                return
+            async for events, dropped in subscription:
+                yield engine_pb2.KvEventBatch(events=[kv_event_to_proto(e) for e in events], dropped_events=dropped)
+        finally:
+            subscription.close()

@@ -5,9 +5,12 @@ ids of the requests it carries. It is the per-request error boundary of a stream
 is rejected or fails becomes a finished ERROR chunk with its reason, and the stream carries on.
 Every request that arrives, accepted or rejected, gets its `RequestTelemetry` (span + metrics)
 here, the one place all of them pass.
-When the stream ends — the client half-closes (or the engine drains for shutdown) and every
-request has finished, or the call is cancelled or breaks — `close()` aborts every request still
-live, freeing its engine slot and KV.
+When the stream ends — the client half-closes (or the engine drains for shutdown, or dies) and
+every request has finished, or the call is cancelled or breaks — `close()` aborts every request
+still live, freeing its engine slot and KV.
+
+Load reports (`take_load`) carry the engine's load, its health and its latest iteration stats; a
+change of health (drain started, engine dead) is due at once, even on a message without tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
 
 from .backends.base import GenerationEvent, GenerationRequest, LoadSnapshot
+from .backends.events import HealthState, IterationStats
 from .engine import Engine
 from .outbox import Chunk, Outbox
 from .telemetry import RequestTelemetry
@@ -37,8 +41,12 @@ class Inbound:
 
 
 # Seconds between load reports piggybacked on a busy stream (a report goes only when the load
-# changed; the first message and the start of a drain always carry one).
+# changed; the first message and a change of health always carry one).
 LOAD_REPORT_INTERVAL = 0.05
+
+# (load, draining, health, stats): ``draining`` is True whenever the engine takes no new work
+# (draining or dead), which is what routers that predate ``health`` read.
+LoadReport = tuple[LoadSnapshot, bool, HealthState, IterationStats]
 
 
 class StreamSession:
@@ -46,7 +54,7 @@ class StreamSession:
         self._engine = engine
         self._load_interval = load_interval
         self._load_at = -1e18
-        self._load_last: tuple[LoadSnapshot, bool] | None = None
+        self._load_last: LoadReport | None = None
         self.outbox = Outbox()
         self._live: set[str] = set()
         self._reader: asyncio.Task[None] | None = None
@@ -57,23 +65,26 @@ class StreamSession:
     def live(self) -> int:
         return len(self._live)
 
-    def take_load(self) -> tuple[LoadSnapshot, bool] | None:
-        """The engine's (load, draining) if a report is due on the next message, else None: at
-        most every `load_interval` and only when it changed; a drain that started is due at once."""
-        draining = self._engine.draining
-        drain_news = draining and not (self._load_last is not None and self._load_last[1])
+    def take_load(self) -> LoadReport | None:
+        """The engine's report if one is due on the next message, else None: at most every
+        `load_interval` and only when it changed; a change of health is due at once."""
+        health = self._engine.health
         now = time.monotonic()
-        if not drain_news and now - self._load_at < self._load_interval:
+        if not self._health_unreported(health) and now - self._load_at < self._load_interval:
             return None
-        report = (self._engine.load(), draining)
+        engine = self._engine
+        report = (engine.load(), health is not HealthState.SERVING, health, engine.iteration_stats())
         self._load_at = now
         if report == self._load_last:
             return None
         self._load_last = report
         return report
 
-    def _drain_unreported(self) -> bool:
-        return self._engine.draining and not (self._load_last is not None and self._load_last[1])
+    def _health_unreported(self, health: HealthState | None = None) -> bool:
+        health = self._engine.health if health is None else health
+        last = self._load_last
+        # The first report goes with the first message anyway; what must not wait is a change.
+        return (last is not None and last[2] is not health) or (last is None and health is not HealthState.SERVING)
 
     def submit(self, request: GenerationRequest) -> None:
         rid = request.request_id
@@ -122,14 +133,14 @@ class StreamSession:
         request it carried has finished."""
         self._reader = asyncio.create_task(self._read(inbound), name="engine-stream-reader")
         self._reader.add_done_callback(_note_reader_end)
-        unregister = self._engine.on_drain(self.outbox.wake)
+        unregister = self._engine.on_health_change(self.outbox.wake)
         try:
             while True:
                 await self.outbox.wait()
                 chunks = self.outbox.drain()
-                if chunks or self._drain_unreported():   # a drain is told even with no tokens
+                if chunks or self._health_unreported():   # a drain or a death is told even with no tokens
                     yield chunks
-                if ((self._inbound_done or self._engine.draining) and not self._live
+                if ((self._inbound_done or self._engine.health is not HealthState.SERVING) and not self._live
                         and self.outbox.empty):
                     break
         finally:

@@ -15,6 +15,18 @@ failures after submit arrive as a final event with FINISH ERROR and ``error_reas
 No grpc or protobuf here: TensorRT-LLM (`generate_async` + `RequestOutput.abort()`) and Triton
 (decoupled `stream_infer` + `stop=True`) map onto this contract the same way the `sim` and `hf`
 backends do.
+
+Optional parts (issue 13; every default is safe, so a backend that implements none still works):
+- `health()`: SERVING / DRAINING / DEAD. A backend whose engine dies calls `_set_health(DEAD)`
+  after ending every live request with ERROR / ENGINE_UNAVAILABLE (retryable: the router tries
+  another replica); the `Engine` facade then fails whatever is left, refuses new work and the
+  service reports NOT_SERVING. Nothing waits on a dead engine.
+- `iteration_stats()`: the latest iteration's counts (default: derived from `load()` and
+  `prefix_cache_stats()`).
+- `kv_events()`: a subscription to the backend's KV-cache events (`events.py`, TensorRT-LLM's
+  schema); backends that emit them set ``emits_kv_events`` and publish with `publish_kv_events`.
+- ``GenerationRequest.deadline`` / ``priority``: the `Engine` enforces the deadline for every
+  backend (one timer per request that has one); backends that schedule (sim) also use both.
 """
 
 from __future__ import annotations
@@ -26,6 +38,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from services.errors import Reason
+
+from .events import HealthState, IterationStats, KvEvent, KvEventHub, KvEventSubscription, hit_rate
 
 
 class FinishReason(enum.Enum):
@@ -50,6 +64,11 @@ class GenerationRequest:
     eos_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str = ""
+    # Absolute time.monotonic() by which the request must have finished (None = no deadline); the
+    # Engine fails it with DEADLINE_EXCEEDED then, and a scheduling backend never starts it late.
+    deadline: float | None = None
+    # Scheduling class, higher first (common.proto's Priority: 1 low, 2 normal, 3 high; 0 = normal).
+    priority: int = 0
     # W3C trace context (traceparent/tracestate) of the caller's span, carried as a plain dict so
     # the domain stays protobuf-free; empty = the request is not part of a trace.
     trace_context: dict[str, str] = field(default_factory=dict)
@@ -115,6 +134,7 @@ class StepStats:
 
 
 StepObserver = Callable[[StepStats], None]
+HealthListener = Callable[[HealthState], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +157,12 @@ class Backend(ABC):
     # Called on the event loop after each engine step by backends that step in Python (sim);
     # the metrics module installs it. Backends whose steps are out of sight leave it unused.
     step_observer: StepObserver | None = None
+    # Called on the event loop when `health()` changes (the Engine facade installs it).
+    health_listener: HealthListener | None = None
+    emits_kv_events: bool = False        # True: `kv_events()` carries this backend's KV-cache events
+    _health: HealthState = HealthState.SERVING
+    _health_detail: str = ""
+    _kv_hub: KvEventHub | None = None
 
     @abstractmethod
     async def start(self) -> None:
@@ -163,6 +189,71 @@ class Backend(ABC):
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The backend's own prefix-cache hit accounting; None where it keeps none."""
         return None
+
+    # -- optional parts (issue 13) -------------------------------------------------------------
+    def health(self) -> HealthState:
+        return self._health
+
+    @property
+    def health_detail(self) -> str:
+        """Why the backend is not serving ("" while it is)."""
+        return self._health_detail
+
+    def _set_health(self, state: HealthState, detail: str = "") -> None:
+        """Record a health change and tell the listener; DEAD is final."""
+        if state is self._health or self._health is HealthState.DEAD:
+            return
+        self._health, self._health_detail = state, detail
+        if state is HealthState.DEAD and self._kv_hub is not None:
+            self._kv_hub.close()
+        if self.health_listener is not None:
+            self.health_listener(state)
+
+    def iteration_stats(self) -> IterationStats:
+        """The latest iteration's counts; cheap (read at scrape time and per load report)."""
+        load = self.load()
+        cache = self.prefix_cache_stats()
+        reused, missed = (cache.hit_blocks, cache.miss_blocks) if cache is not None else (0, 0)
+        return IterationStats(
+            active=load.active, queued=load.queued, max_active=load.max_active,
+            kv_blocks_total=load.kv_blocks_total, kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_free=max(0, load.kv_blocks_total - load.kv_blocks_used), kv_blocks_reused=reused,
+            kv_blocks_missed=missed, kv_cache_hit_rate=hit_rate(reused, missed),
+            tokens_per_block=load.tokens_per_block, generation_requests=load.active)
+
+    @property
+    def kv_event_hub(self) -> KvEventHub:
+        if self._kv_hub is None:
+            self._kv_hub = KvEventHub()
+            if self._health is HealthState.DEAD:
+                self._kv_hub.close()
+        return self._kv_hub
+
+    def kv_events(self) -> KvEventSubscription:
+        """Subscribe to this backend's KV-cache events; iterate for ``(events, dropped)`` batches.
+        A backend without events (``emits_kv_events`` False) never yields; close the subscription."""
+        return self.kv_event_hub.subscribe()
+
+    @property
+    def kv_events_wanted(self) -> bool:
+        """Someone is subscribed: worth building events (backends skip the work otherwise)."""
+        hub = self._kv_hub
+        return hub is not None and hub.subscribers > 0
+
+    @property
+    def kv_events_published(self) -> int:
+        """Events published so far (0 until someone subscribed); safe from the scrape thread."""
+        hub = self._kv_hub
+        return hub.published if hub is not None else 0
+
+    def publish_kv_events(self, events: list[KvEvent]) -> None:
+        if self._kv_hub is not None and events:
+            self._kv_hub.publish(events)
+
+    def close_kv_events(self) -> None:
+        """End every subscription (call from `close()`)."""
+        if self._kv_hub is not None:
+            self._kv_hub.close()
 
     def validate(self, request: GenerationRequest) -> None:
         """Checks every backend shares; `submit` callers run it first."""

@@ -7,6 +7,11 @@ TensorRT-LLM's ``stored`` / ``removed`` events are). A block is in exactly one o
 free (in `_free`), referenced by one or more requests (`_refs`), or cached — unreferenced but
 still holding reusable content (`_lru`, oldest first). Cached blocks are evicted only when a new
 allocation finds no free block.
+
+With ``record_events`` on, the cache records TensorRT-LLM-style KV events as it goes: ``stored``
+when blocks become reusable (a prompt's full blocks at allocation, a block filled by decode) and
+``removed`` when cached blocks are evicted; `take_events()` hands them over. Off, it records
+nothing (the backend turns it on only while someone subscribes).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from .events import KvBlock, KvEvent, KvEventType
 
 
 def block_hash(parent: int | None, tokens: list[int] | tuple[int, ...], salt: str = "") -> int:
@@ -59,6 +66,25 @@ class KVCache:
         self.hit_blocks = 0
         self.miss_blocks = 0
         self.evictions = 0
+        self.record_events = False
+        self._events: list[KvEvent] = []
+        self._evicted: list[int] = []
+        self._next_event_id = 0
+
+    # -- events -------------------------------------------------------------------------------
+    def take_events(self) -> list[KvEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _event(self, kind: KvEventType, **fields: object) -> None:
+        self._events.append(KvEvent(self._next_event_id, kind, **fields))  # type: ignore[arg-type]
+        self._next_event_id += 1
+
+    def _flush_evicted(self) -> None:
+        if self._evicted:
+            if self.record_events:
+                self._event(KvEventType.REMOVED, block_hashes=tuple(self._evicted))
+            self._evicted = []
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -114,10 +140,14 @@ class KVCache:
         for block in matched:
             self._acquire(block)
         blocks = matched + [self._take_block() for _ in range(needed)]
+        self._flush_evicted()
         self.hit_blocks += len(matched)
         self.miss_blocks += len(hashes) - len(matched)
         alloc = Allocation(blocks, len(matched) * self.tokens_per_block, salt=salt)
-        self._register(alloc, hashes)
+        alloc.hashed_blocks = len(matched)
+        if matched:
+            alloc.last_hash = hashes[len(matched) - 1]
+        self._register(alloc, hashes, prompt)
         tail = len(hashes) * self.tokens_per_block
         alloc.pending_tokens = list(prompt[tail:])
         return alloc
@@ -134,13 +164,18 @@ class KVCache:
             block = self._free.pop()
         else:
             block, _ = self._lru.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
+            h = self._hash_of.pop(block)
+            del self._by_hash[h]
+            self._evicted.append(h)
             self.evictions += 1
         self._refs[block] = 1
         return block
 
-    def _register(self, alloc: Allocation, hashes: list[int]) -> None:
+    def _register(self, alloc: Allocation, hashes: list[int], prompt: list[int]) -> None:
         """Publish the hashes of newly filled blocks (the simulated prefill/decode wrote them)."""
+        tpb = self.tokens_per_block
+        stored: list[KvBlock] = []
+        parent = alloc.last_hash
         for i in range(alloc.hashed_blocks, len(hashes)):
             block = alloc.blocks[i]
             h = hashes[i]
@@ -149,7 +184,16 @@ class KVCache:
             if h not in self._by_hash and block not in self._hash_of:
                 self._by_hash[h] = block
                 self._hash_of[block] = h
+                if self.record_events:
+                    stored.append(KvBlock(h, tuple(prompt[i * tpb:(i + 1) * tpb])))
+            elif stored:   # a run of new blocks ended: one event per contiguous run
+                self._event(KvEventType.STORED, parent_hash=parent, blocks=tuple(stored))
+                stored = []
+            if not stored:
+                parent = h
             alloc.last_hash = h
+        if stored:
+            self._event(KvEventType.STORED, parent_hash=parent, blocks=tuple(stored))
         alloc.hashed_blocks = max(alloc.hashed_blocks, len(hashes))
 
     def append_token(self, alloc: Allocation, token: int) -> None:
@@ -163,6 +207,9 @@ class KVCache:
                 if h not in self._by_hash and block not in self._hash_of:
                     self._by_hash[h] = block
                     self._hash_of[block] = h
+                    if self.record_events:
+                        self._event(KvEventType.STORED, parent_hash=alloc.last_hash,
+                                    blocks=(KvBlock(h, tuple(pending)),))
                 alloc.last_hash = h
                 alloc.hashed_blocks += 1
             alloc.pending_tokens = []

@@ -14,8 +14,7 @@ from services.grpc_util import wait_healthy
 from services.proto.tokenrelay.v1 import engine_pb2_grpc
 
 # A sim engine with every cost at zero: tests measure behaviour, not simulated time.
-FAST = dict(sim_prefill_time_per_token=0.0, sim_decode_step_time=0.0, sim_decode_time_per_seq=0.0,
-            sim_vocab_size=1000, sim_num_blocks=512, sim_tokens_per_block=4, sim_max_context=512,
+FAST = dict(sim_profile="instant", sim_vocab_size=1000, sim_num_blocks=512, sim_tokens_per_block=4, sim_max_context=512,
             sim_max_batch_size=16)
 
 

@@ -12,9 +12,8 @@ from tests.waiting import poll  # noqa: F401 - re-exported for the engine tests
 
 def fast_sim(**overrides: Any) -> SimConfig:
     """A sim with zero costs (steps only yield to the loop) and a small vocabulary / cache."""
-    values: dict[str, Any] = dict(prefill_time_per_token=0.0, decode_step_time=0.0, decode_time_per_seq=0.0,
-                                  vocab_size=1000, num_blocks=256, tokens_per_block=4, max_context=512,
-                                  max_batch_size=8)
+    values: dict[str, Any] = dict(profile="instant", vocab_size=1000, num_blocks=256, tokens_per_block=4,
+                                  max_context=512, max_batch_size=8)
     values.update(overrides)
     return SimConfig(**values)
 
@@ -63,6 +62,7 @@ class StreamClient:
         self.call = stub.Stream(self._requests())
         self.chunks: dict[str, list[Any]] = {}
         self.messages = 0
+        self.loads: list[Any] = []          # LoadReports piggybacked on the stream
         self._finished: dict[str, asyncio.Event] = {}
         self._reader = asyncio.create_task(self._read())
 
@@ -76,6 +76,8 @@ class StreamClient:
     async def _read(self) -> None:
         async for message in self.call:
             self.messages += 1
+            if message.HasField("load"):
+                self.loads.append(message.load)
             for chunk in message.chunks:
                 self.chunks.setdefault(chunk.request_id, []).append(chunk)
                 if chunk.finished:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tokenrelay.v1 import common_pb2 as tokenrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenrelay/v1/engine.proto\x12\rtokenrelay.v1\x1a\x1atokenrelay/v1/common.proto\"\x95\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tokenrelay.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x45\n\rtrace_context\x18\x06 \x03(\x0b\x32..tokenrelay.v1.EngineRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\rEngineInbound\x12,\n\x06submit\x18\x01 \x03(\x0b\x32\x1c.tokenrelay.v1.EngineRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xbd\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.tokenrelay.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x65rror_reason\x18\x06 \x01(\t\x12\x15\n\rerror_message\x18\x07 \x01(\t\"d\n\x0e\x45ngineOutbound\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.tokenrelay.v1.TokenChunk\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.tokenrelay.v1.LoadReport\")\n\x12\x45ngineAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"&\n\x13\x45ngineAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\r\n\x0bLoadRequest\"\xc7\x02\n\nLoadReport\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x1b\n\x13max_active_requests\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x08 \x01(\r\x12\x13\n\x0bmax_context\x18\t \x01(\r\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x0b \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x32\xe5\x01\n\x06\x45ngine\x12I\n\x06Stream\x12\x1c.tokenrelay.v1.EngineInbound\x1a\x1d.tokenrelay.v1.EngineOutbound(\x01\x30\x01\x12N\n\x05\x41\x62ort\x12!.tokenrelay.v1.EngineAbortRequest\x1a\".tokenrelay.v1.EngineAbortResponse\x12@\n\x07GetLoad\x12\x1a.tokenrelay.v1.LoadRequest\x1a\x19.tokenrelay.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenrelay/v1/engine.proto\x12\rtokenrelay.v1\x1a\x1atokenrelay/v1/common.proto\"\xd4\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.tokenrelay.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x45\n\rtrace_context\x18\x06 \x03(\x0b\x32..tokenrelay.v1.EngineRequest.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12)\n\x08priority\x18\x08 \x01(\x0e\x32\x17.tokenrelay.v1.Priority\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\rEngineInbound\x12,\n\x06submit\x18\x01 \x03(\x0b\x32\x1c.tokenrelay.v1.EngineRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xbd\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.tokenrelay.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x65rror_reason\x18\x06 \x01(\t\x12\x15\n\rerror_message\x18\x07 \x01(\t\"d\n\x0e\x45ngineOutbound\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.tokenrelay.v1.TokenChunk\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.tokenrelay.v1.LoadReport\")\n\x12\x45ngineAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"&\n\x13\x45ngineAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\r\n\x0bLoadRequest\"\xa2\x03\n\nLoadReport\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x1b\n\x13max_active_requests\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x08 \x01(\r\x12\x13\n\x0bmax_context\x18\t \x01(\r\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x04\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x0b \x01(\x04\x12\x1e\n\x16generated_tokens_total\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12+\n\x06health\x18\x0e \x01(\x0e\x32\x1b.tokenrelay.v1.EngineHealth\x12,\n\x05stats\x18\x0f \x01(\x0b\x32\x1d.tokenrelay.v1.IterationStats\"\xdb\x02\n\x0eIterationStats\x12\x11\n\titeration\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_reused\x18\x07 \x01(\x04\x12\x18\n\x10kv_blocks_missed\x18\x08 \x01(\x04\x12\x19\n\x11kv_cache_hit_rate\x18\t \x01(\x02\x12\x18\n\x10\x63ontext_requests\x18\n \x01(\r\x12\x1b\n\x13generation_requests\x18\x0b \x01(\r\x12\x17\n\x0fpaused_requests\x18\x0c \x01(\r\x12\x1c\n\x14iteration_latency_ms\x18\r \x01(\x02\"\x11\n\x0fKvEventsRequest\"~\n\x0cKvEventBatch\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.tokenrelay.v1.KvCacheEvent\x12\x16\n\x0e\x64ropped_events\x18\x02 \x01(\x04\x12)\n\x04info\x18\x03 \x01(\x0b\x32\x1b.tokenrelay.v1.KvEventsInfo\"Y\n\x0cKvEventsInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x65nabled\x18\x03 \x01(\x08\x12\x18\n\x10tokens_per_block\x18\x04 \x01(\r\"\xeb\x01\n\x0cKvCacheEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12(\n\x04type\x18\x02 \x01(\x0e\x32\x1a.tokenrelay.v1.KvEventType\x12\x13\n\x0bwindow_size\x18\x03 \x01(\x05\x12\x18\n\x0bparent_hash\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12&\n\x06\x62locks\x18\x05 \x03(\x0b\x32\x16.tokenrelay.v1.KvBlock\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x04\x12\"\n\x1anum_blocks_per_cache_level\x18\x07 \x03(\rB\x0e\n\x0c_parent_hash\"T\n\x07KvBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x13\n\x0b\x63\x61\x63he_level\x18\x03 \x01(\x05\x12\x10\n\x08priority\x18\x04 \x01(\x05*|\n\x0c\x45ngineHealth\x12\x1d\n\x19\x45NGINE_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_HEALTH_SERVING\x10\x01\x12\x1a\n\x16\x45NGINE_HEALTH_DRAINING\x10\x02\x12\x16\n\x12\x45NGINE_HEALTH_DEAD\x10\x03*\x83\x01\n\x0bKvEventType\x12\x1d\n\x19KV_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_EVENT_STORED\x10\x01\x12\x14\n\x10KV_EVENT_REMOVED\x10\x02\x12\x14\n\x10KV_EVENT_CREATED\x10\x03\x12\x14\n\x10KV_EVENT_UPDATED\x10\x04\x32\xb9\x02\n\x06\x45ngine\x12I\n\x06Stream\x12\x1c.tokenrelay.v1.EngineInbound\x1a\x1d.tokenrelay.v1.EngineOutbound(\x01\x30\x01\x12N\n\x05\x41\x62ort\x12!.tokenrelay.v1.EngineAbortRequest\x1a\".tokenrelay.v1.EngineAbortResponse\x12@\n\x07GetLoad\x12\x1a.tokenrelay.v1.LoadRequest\x1a\x19.tokenrelay.v1.LoadReport\x12R\n\x11SubscribeKvEvents\x12\x1e.tokenrelay.v1.KvEventsRequest\x1a\x1b.tokenrelay.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +34,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_ENGINEHEALTH']._serialized_start=2219
+  _globals['_ENGINEHEALTH']._serialized_end=2343
+  _globals['_KVEVENTTYPE']._serialized_start=2346
+  _globals['_KVEVENTTYPE']._serialized_end=2477
   _globals['_ENGINEREQUEST']._serialized_start=74
-  _globals['_ENGINEREQUEST']._serialized_end=351
-  _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_start=300
-  _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_end=351
-  _globals['_ENGINEINBOUND']._serialized_start=353
-  _globals['_ENGINEINBOUND']._serialized_end=429
-  _globals['_TOKENCHUNK']._serialized_start=432
-  _globals['_TOKENCHUNK']._serialized_end=621
-  _globals['_ENGINEOUTBOUND']._serialized_start=623
-  _globals['_ENGINEOUTBOUND']._serialized_end=723
-  _globals['_ENGINEABORTREQUEST']._serialized_start=725
-  _globals['_ENGINEABORTREQUEST']._serialized_end=766
-  _globals['_ENGINEABORTRESPONSE']._serialized_start=768
-  _globals['_ENGINEABORTRESPONSE']._serialized_end=806
-  _globals['_LOADREQUEST']._serialized_start=808
-  _globals['_LOADREQUEST']._serialized_end=821
-  _globals['_LOADREPORT']._serialized_start=824
-  _globals['_LOADREPORT']._serialized_end=1151
-  _globals['_ENGINE']._serialized_start=1154
-  _globals['_ENGINE']._serialized_end=1383
+  _globals['_ENGINEREQUEST']._serialized_end=414
+  _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_start=363
+  _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_end=414
+  _globals['_ENGINEINBOUND']._serialized_start=416
+  _globals['_ENGINEINBOUND']._serialized_end=492
+  _globals['_TOKENCHUNK']._serialized_start=495
+  _globals['_TOKENCHUNK']._serialized_end=684
+  _globals['_ENGINEOUTBOUND']._serialized_start=686
+  _globals['_ENGINEOUTBOUND']._serialized_end=786
+  _globals['_ENGINEABORTREQUEST']._serialized_start=788
+  _globals['_ENGINEABORTREQUEST']._serialized_end=829
+  _globals['_ENGINEABORTRESPONSE']._serialized_start=831
+  _globals['_ENGINEABORTRESPONSE']._serialized_end=869
+  _globals['_LOADREQUEST']._serialized_start=871
+  _globals['_LOADREQUEST']._serialized_end=884
+  _globals['_LOADREPORT']._serialized_start=887
+  _globals['_LOADREPORT']._serialized_end=1305
+  _globals['_ITERATIONSTATS']._serialized_start=1308
+  _globals['_ITERATIONSTATS']._serialized_end=1655
+  _globals['_KVEVENTSREQUEST']._serialized_start=1657
+  _globals['_KVEVENTSREQUEST']._serialized_end=1674
+  _globals['_KVEVENTBATCH']._serialized_start=1676
+  _globals['_KVEVENTBATCH']._serialized_end=1802
+  _globals['_KVEVENTSINFO']._serialized_start=1804
+  _globals['_KVEVENTSINFO']._serialized_end=1893
+  _globals['_KVCACHEEVENT']._serialized_start=1896
+  _globals['_KVCACHEEVENT']._serialized_end=2131
+  _globals['_KVBLOCK']._serialized_start=2133
+  _globals['_KVBLOCK']._serialized_end=2217
+  _globals['_ENGINE']._serialized_start=2480
+  _globals['_ENGINE']._serialized_end=2793
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,11 @@ class EngineStub:
                 request_serializer=tokenrelay_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
                 response_deserializer=tokenrelay_dot_v1_dot_engine__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/tokenrelay.v1.Engine/SubscribeKvEvents',
+                request_serializer=tokenrelay_dot_v1_dot_engine__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=tokenrelay_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -76,6 +81,18 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """The engine's KV-cache events (blocks stored and removed, TensorRT-LLM's schema), for
+        prefix-aware routing. The first message carries `info` (no events); then every message
+        carries the events published since the previous one. A subscriber that falls behind loses
+        its oldest events: `dropped_events` says how many (and `event_id`s show the gap), after which
+        its view of the cache is stale. The stream ends when the engine stops or dies (and at once,
+        after `info`, when the backend emits no KV events).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +110,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tokenrelay_dot_v1_dot_engine__pb2.LoadRequest.FromString,
                     response_serializer=tokenrelay_dot_v1_dot_engine__pb2.LoadReport.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=tokenrelay_dot_v1_dot_engine__pb2.KvEventsRequest.FromString,
+                    response_serializer=tokenrelay_dot_v1_dot_engine__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +198,33 @@ class Engine:
             '/tokenrelay.v1.Engine/GetLoad',
             tokenrelay_dot_v1_dot_engine__pb2.LoadRequest.SerializeToString,
             tokenrelay_dot_v1_dot_engine__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenrelay.v1.Engine/SubscribeKvEvents',
+            tokenrelay_dot_v1_dot_engine__pb2.KvEventsRequest.SerializeToString,
+            tokenrelay_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
