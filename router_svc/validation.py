@@ -2,7 +2,9 @@
 
 Every client-supplied string has a bound (`Bounds`, from the `limits` settings): request_id,
 session_id, model, stop strings, each chat message's role and content, the number of messages,
-the prompt. Token counts are bounded after tokenizing (`check_lengths`).
+the prompt. Token counts are bounded after tokenizing (`check_lengths`), which also resolves an
+omitted `max_tokens` (0: proto3 cannot tell unset from 0) to `Bounds.default_max_tokens`, within the
+tenant's cap and the context the prompt leaves.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ MAX_STOP_CHARS = 256
 MAX_REQUEST_ID = 128
 MAX_DELTA_TOKENS = 4096
 MAX_DELTA_INTERVAL_MS = 10_000
+DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -31,14 +34,15 @@ class Bounds:
     max_messages: int = 1024
     max_role_chars: int = 64
     max_content_chars: int = 1_000_000
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
 
 
 DEFAULT_BOUNDS = Bounds()
 
 
 def _check_sampling(s: Sampling) -> None:
-    if s.max_tokens < 1:
-        raise Reason.INVALID_MAX_TOKENS.error("sampling.max_tokens must be >= 1")
+    if s.max_tokens < 0:
+        raise Reason.INVALID_MAX_TOKENS.error("max_tokens must be at least 1 (or 0 for the server's default)")
     if not math.isfinite(s.temperature) or not 0.0 <= s.temperature <= 100.0:
         raise Reason.INVALID_TEMPERATURE.error("sampling.temperature must be in [0, 100]")
     if not math.isfinite(s.top_p) or not 0.0 <= s.top_p <= 1.0:
@@ -96,19 +100,23 @@ def validate_input(inp: GenerateInput, meta: TokenizerMeta | None, bounds: Bound
             raise Reason.INVALID_TOKEN_ID.error(f"token id beyond the vocabulary ({meta.vocab_size})")
 
 
-def check_lengths(ids: list[int], sampling: Sampling, tenant: Tenant, max_context: int) -> None:
+def check_lengths(ids: list[int], sampling: Sampling, tenant: Tenant, max_context: int,
+                  bounds: Bounds = DEFAULT_BOUNDS) -> None:
+    """Bound the prompt and the reply in tokens; an omitted max_tokens (0) becomes the default here."""
     if not ids:
         raise Reason.EMPTY_PROMPT.error("prompt tokenizes to nothing")
     if tenant.max_prompt_tokens and len(ids) > tenant.max_prompt_tokens:
         raise Reason.PROMPT_TOO_LONG.error(
             f"prompt has {len(ids)} tokens; tenant limit is {tenant.max_prompt_tokens}")
+    if max_context and len(ids) >= max_context:
+        raise Reason.PROMPT_TOO_LONG.error(f"prompt has {len(ids)} tokens; the model's context is {max_context}")
+    if sampling.max_tokens == 0:
+        sampling.max_tokens = min(bounds.default_max_tokens, tenant.max_tokens_cap or bounds.default_max_tokens,
+                                  max_context - len(ids) if max_context else bounds.default_max_tokens)
+        return
     if tenant.max_tokens_cap and sampling.max_tokens > tenant.max_tokens_cap:
         raise Reason.MAX_TOKENS_TOO_LARGE.error(
             f"max_tokens {sampling.max_tokens} above the tenant cap {tenant.max_tokens_cap}")
-    if not max_context:
-        return
-    if len(ids) >= max_context:
-        raise Reason.PROMPT_TOO_LONG.error(f"prompt has {len(ids)} tokens; the model's context is {max_context}")
-    if len(ids) + sampling.max_tokens > max_context:
+    if max_context and len(ids) + sampling.max_tokens > max_context:
         raise Reason.CONTEXT_LENGTH_EXCEEDED.error(
             f"prompt ({len(ids)}) + max_tokens ({sampling.max_tokens}) exceeds the context ({max_context})")

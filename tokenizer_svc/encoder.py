@@ -141,20 +141,20 @@ class Encoder:
         total = 0
         for index, item in enumerate(inputs):
             if item is None:
-                raise Reason.EMPTY_PROMPT.error(f"input {index} has neither text nor chat")
-            size = self._input_bytes(index, item)
+                raise Reason.EMPTY_PROMPT.error(f"{_which(index, len(inputs))} has neither text nor chat")
+            size = self._input_bytes(_which(index, len(inputs)), item)
             if size > self.limits.max_input_bytes:
                 raise Reason.INPUT_TOO_LARGE.error(
-                    f"input {index} is {size} bytes; at most {self.limits.max_input_bytes}")
+                    f"{_which(index, len(inputs))} is {size} bytes of UTF-8; at most {self.limits.max_input_bytes}")
             checked.append(item)
             total += size
         return checked, total
 
-    def _input_bytes(self, index: int, item: EncodeInput) -> int:
+    def _input_bytes(self, which: str, item: EncodeInput) -> int:
         if isinstance(item, TextInput):
             return _utf8_len(item.text)
         if not item.messages:
-            raise Reason.EMPTY_PROMPT.error(f"input {index}: chat has no messages")
+            raise Reason.EMPTY_PROMPT.error(f"{which}: chat has no messages")
         if self.template is None:
             raise Reason.NO_CHAT_TEMPLATE.error("this model has no chat template (start the tokenizer with "
                                                 "--chat-template)")
@@ -245,8 +245,14 @@ class Encoder:
         limit = self.limits.max_input_tokens
         for index, seq in enumerate(ids):
             if limit and len(seq) > limit:
-                return Reason.PROMPT_TOO_LONG.error(f"input {index} is {len(seq)} tokens; at most {limit}")
+                return Reason.PROMPT_TOO_LONG.error(f"{_which(index, len(ids))} has {len(seq)} tokens; at most {limit}")
         return None
+
+
+def _which(index: int, count: int) -> str:
+    """How an error names an input: a call of one (the router sends a request's prompt alone when
+    it reports an error) speaks of the prompt, a batch names the input's index (issue 14)."""
+    return "the prompt" if count == 1 else f"input {index}"
 
 
 def _count(inputs: list[EncodeInput], ids: list[list[int]]) -> None:

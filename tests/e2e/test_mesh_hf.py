@@ -144,7 +144,7 @@ async def test_error_paths(hf_mesh):
     async with Client(hf_mesh.address, hf_mesh.api_key) as client:
         cases = [({"prompt": ""}, "EMPTY_PROMPT"), ({"prompt": "word " * 2000}, "PROMPT_TOO_LONG"),
                  ({"prompt": PROMPT, "max_tokens": 100_000}, "CONTEXT_LENGTH_EXCEEDED"),
-                 ({"prompt": PROMPT, "max_tokens": 0}, "INVALID_MAX_TOKENS")]
+                 ({"prompt": PROMPT, "temperature": -1.0}, "INVALID_TEMPERATURE")]
         for kwargs, reason in cases:
             kwargs.setdefault("max_tokens", 4)
             with pytest.raises(InvalidArgument) as e:

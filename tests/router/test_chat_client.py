@@ -20,8 +20,8 @@ async def test_a_failed_turn_raises_typed_and_the_session_stays_usable(tmp_path:
             ok = await chat.say("hello", max_tokens=4, ignore_eos=True)
             assert ok.finished.completion_tokens == 4
             with pytest.raises(InvalidArgument) as info:
-                await chat.say("again", max_tokens=0)
-            assert info.value.reason == Reason.INVALID_MAX_TOKENS
+                await chat.say("again", max_tokens=4, temperature=-1.0)
+            assert info.value.reason == Reason.INVALID_TEMPERATURE
             with pytest.raises(InvalidArgument) as info:
                 await chat.say("x" * 10, max_tokens=4, min_delta_tokens=99_999)
             assert info.value.reason == Reason.INVALID_DELTA_OPTIONS

