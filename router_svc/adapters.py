@@ -1,20 +1,20 @@
 """Thin adapters from the concrete upstreams / admission to the core's ports (`ports.py`).
 
 `app.py` wires these; tests wire fakes instead. Nothing here decides anything: the engine pool
-is exposed as snapshots + address-keyed calls, the detokenizer session gains `next_ready()`, and
-today's lease-based `Admission` + heartbeats become `admit() -> Grant`.
+is exposed as snapshots + address-keyed calls and the detokenizer session gains `next_ready()`
+(the admission queue implements its port itself).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from services.logging import get_logger
 
 from .ports import Broken, ChunkSource, DetokSessionPort, ReplicaSnapshot
-from .types import DetokOut, Sampling, Usage
+from .types import DetokOut, Sampling
 
 log = get_logger(__name__)
 
@@ -90,66 +90,6 @@ class DetokenizeAdapter:
         return _DetokSession(session)
 
 
-# -------------------------------------------------------------------------------------- admission
-class LeaseStore(Protocol):
-    """What `admission.Admission` offers: leases, and the process's one `LeaseBook` that keeps
-    every held lease alive (no task per request)."""
-
-    leases: Any
-
-    async def acquire(self, tenant: str, request_id: str, limit: int) -> int: ...
-
-    async def release(self, tenant: str, request_id: str) -> None: ...
-
-
-class _LeaseGrant:
-    def __init__(self, store: LeaseStore, tenant: str, request_id: str) -> None:
-        self._store, self._tenant, self._request_id = store, tenant, request_id
-        self._settled = False
-        store.leases.add(tenant, request_id)   # heartbeated with every other lease of the process
-
-    async def settle(self, usage: Usage) -> None:
-        if self._settled:
-            return
-        self._settled = True
-        self._store.leases.discard(self._tenant, self._request_id)
-        await _release(self._store, self._tenant, self._request_id)
-
-
-_background: set[asyncio.Task[None]] = set()
-
-
-async def _release(store: LeaseStore, tenant: str, request_id: str) -> None:
-    try:
-        await store.release(tenant, request_id)
-    except Exception as exc:  # noqa: BLE001 - logged, never swallowed silently; the TTL frees it
-        log.warning("lease_release_failed", tenant=tenant, request_id=request_id, error=str(exc))
-
-
-def _release_later(store: LeaseStore, tenant: str, request_id: str) -> None:
-    """Release from a task of its own: the caller is being cancelled and cannot await."""
-    task = asyncio.get_running_loop().create_task(_release(store, tenant, request_id))
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
-class LeaseAdmission:
-    """`ports.Admission` over a `LeaseStore`: a lease per request, heartbeated, released at settle.
-    A cancel or deadline that lands while the lease is being taken releases it (it may have
-    been granted in Redis by then), so no lease outlives its request."""
-
-    def __init__(self, store: LeaseStore) -> None:
-        self.store = store
-
-    async def admit(self, tenant: str, request_id: str, limit: int, cost: int) -> _LeaseGrant:
-        try:
-            await self.store.acquire(tenant, request_id, limit)
-        except asyncio.CancelledError:
-            _release_later(self.store, tenant, request_id)
-            raise
-        return _LeaseGrant(self.store, tenant, request_id)
-
-
 # --------------------------------------------------------------------------------------- overload
 class _NoTicket:
     def exit(self) -> None:
@@ -167,16 +107,21 @@ class NoGate:
 
 def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeout: float = 600.0,
                  engine_attempts: int = 2, progress_timeout: float = 10.0, bounds: Any = None,
-                 registry: Any = None, affinity: Any = None, gate: Any = None, placement: Any = None) -> Any:
-    """A `pipeline.Router` over the concrete upstreams (`TokenizerUpstream`, `EnginePool`) and a
-    lease store (`admission.Admission`); registry / affinity / gate / placement default to the
-    in-process ones. `app.py` and the tests wire through this."""
+                 registry: Any = None, affinity: Any = None, gate: Any = None, placement: Any = None,
+                 default_max_queued: int = 256) -> Any:
+    """A `pipeline.Router` over the concrete upstreams (`TokenizerUpstream`, `EnginePool`) and the
+    admission queue (`admission.Admission`, a `ports.Admission` itself); registry / affinity /
+    gate / placement default to the in-process ones. `app.py` and the tests wire through this."""
     from .pipeline import Ports, Router, RouterOptions
     from .placement import LeastLoaded, LocalSessionAffinity
     from .request import LocalRequestRegistry
     from .validation import DEFAULT_BOUNDS
 
-    ports = Ports(tokenizer, DetokenizeAdapter(tokenizer), EnginesAdapter(engines), LeaseAdmission(admission),
+    engine_port = EnginesAdapter(engines)
+    if hasattr(admission, "use_engines"):     # the admission queue dispatches only while the engines have room
+        admission.use_engines(engine_port.snapshots)
+    ports = Ports(tokenizer, DetokenizeAdapter(tokenizer), engine_port, admission,
                   placement or LeastLoaded(), affinity or LocalSessionAffinity(),
                   registry or LocalRequestRegistry(), gate or NoGate())
-    return Router(ports, RouterOptions(request_timeout, engine_attempts, progress_timeout, bounds or DEFAULT_BOUNDS))
+    return Router(ports, RouterOptions(request_timeout, engine_attempts, progress_timeout, bounds or DEFAULT_BOUNDS,
+                                       default_max_queued))

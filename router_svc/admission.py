@@ -1,140 +1,64 @@
-"""Redis-backed admission: cluster-wide per-tenant concurrency through leases.
+"""Redis-backed admission: one priority / fair / token-budget queue shared by every router replica.
 
-Each admitted request holds a lease: a member of the tenant's lease ZSET scored by its expiry.
-The in-flight count is ZCARD after dropping expired members, so there is no counter to drift:
-a router that dies stops heartbeating and its leases expire. Every operation is one Lua script
-(atomic; `register_script` reloads after NOSCRIPT, e.g. a Redis restart), and every key of a
-pool shares the hash tag ``{pool}`` so it also runs on Redis Cluster.
+A request is *enqueued* (one script call: limits checked, queued, and dispatched at once when
+the engine pool has room and it is first in line), then holds a *lease* with a fencing token
+until it is *settled* (one script call: actual tokens charged, the lease freed, the next
+requests dispatched). Any replica's call may grant any queued request; its owner — the router
+holding the client's stream — learns it from the reply (its own) or from a message on its
+channel, and from its next heartbeat if that message was lost. So the hot path is two round
+trips; everything else is batched per process (`Book`: one heartbeat call for all leases and
+queued requests, one reaper call per --reap-interval). The queue's semantics live in
+`queue_lua.py`.
 
-Per router process: one bounded connection pool (`--redis-max-connections`), one heartbeat task
-for all its leases (`LeaseBook`: one script call per tick, whatever the number of requests), and
-operations timed so that a stalled event loop never counts as Redis's time (`_watch`): a reply
-that waited in the socket while the loop was busy is not REDIS_UNAVAILABLE. A lease is released
-on every path: a caller cancelled (deadline, Cancel, client gone) while its acquire was in flight
-gets its lease released when Redis grants it; a release that fails (a stale pooled connection
-after a Redis restart is retried once on a fresh one) is logged and retried by the heartbeat loop
-until it succeeds or the lease would have expired anyway.
-
-The full priority / fair queue builds on these leases (a later issue).
+Operations are timed so that a stalled event loop never counts as Redis's time (`_watch`),
+retried once on a fresh connection (every script is idempotent: a retried enqueue carries the
+same nonce), and a Redis failure is the configured choice: fail closed (REDIS_UNAVAILABLE) or
+fail open on this process's own limits (`LocalLimits`), logged and counted. When Redis comes
+back empty (restart without persistence), the next heartbeat restores every lease and queued
+request this process holds; scripts reload themselves after NOSCRIPT (restart, SCRIPT FLUSH).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from pydantic import Field, field_validator, model_validator
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
-from services.config import MaskedUrl, Section, conflict, flag
-from services.errors import Reason
+from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
-from services.tasks import OwnedTask
 
-from . import metrics
+from . import metrics, queue_lua
+from .admission_book import Book, Lease, LocalLease, LocalLimits, Waiter
+from .admission_settings import AdmissionSettings
+from .ports import AdmitRequest
+
+__all__ = ["Admission", "AdmissionSettings", "Admitting", "Lease"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
 
-# KEYS[1] lease zset; ARGV: request_id, limit, ttl_ms. Returns {1, count} or {0, retry_after_ms}.
-_ACQUIRE = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-  return {1, redis.call('ZCARD', KEYS[1])}
-end
-local n = redis.call('ZCARD', KEYS[1])
-if n >= tonumber(ARGV[2]) then
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  local wait = 1000
-  if first[2] then wait = math.max(tonumber(first[2]) - now, 1) end
-  return {0, wait}
-end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) * 2)
-return {1, n + 1}
-"""
-# Extend only a lease that still exists (XX): an expired lease is not silently revived.
-_HEARTBEAT = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local ok = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 2)
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 1 end
-return 0
-"""
-# Every lease of one router process in one call. KEYS: lease zsets (one per tenant, same {pool});
-# ARGV: ttl_ms, then per key: the number of ids, the ids. Returns the ids no longer held, as
-# {key index, id} pairs flattened (an expired lease is not revived).
-_HEARTBEAT_ALL = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local ttl = tonumber(ARGV[1])
-local lost = {}
-local a = 2
-for k = 1, #KEYS do
-  local n = tonumber(ARGV[a])
-  for i = a + 1, a + n do
-    redis.call('ZADD', KEYS[k], 'XX', now + ttl, ARGV[i])
-    if not redis.call('ZSCORE', KEYS[k], ARGV[i]) then
-      lost[#lost + 1] = k
-      lost[#lost + 1] = ARGV[i]
-    end
-  end
-  redis.call('PEXPIRE', KEYS[k], ttl * 2)
-  a = a + n + 1
-end
-return lost
-"""
 # The loop is "late" when a timer fires more than this after it was due: then an operation's
 # time ran on the loop, not in Redis, and it gets more time (at most _MAX_EXTENSIONS times).
 _LATE = 0.02
 _MAX_EXTENSIONS = 8
-
-
-class AdmissionSettings(Section):
-    """The router's admission section: where the leases live and how they are kept."""
-
-    redis_url: MaskedUrl = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss://, "
-                                 "unix://); a password in it is never logged")
-    pool: str = Field("default", min_length=1, description="admission pool name (Redis key hash tag)")
-    lease_ttl: float = Field(15.0, gt=0, description="seconds a request lease lives without a heartbeat")
-    heartbeat_interval: float | None = Field(None, gt=0, json_schema_extra=flag("lease_heartbeat"),
-                                             description="seconds between a lease's heartbeats (unset = a third "
-                                                         "of --lease-ttl)")
-    fail_open: bool = Field(False, description="admit requests when Redis is unreachable (default: reject)")
-    op_timeout: float = Field(2.0, gt=0, description="seconds one Redis operation may take (time the "
-                              "router's own event loop was stalled is not counted)",
-                              json_schema_extra=flag("redis_timeout"))
-    max_connections: int = Field(8, ge=1, le=256, json_schema_extra=flag("redis_max_connections"),
-                                 description="Redis connections per router process (one bounded pool; "
-                                             "operations wait for a free one)")
-
-    @field_validator("redis_url")
-    @classmethod
-    def _scheme(cls, url: str) -> str:
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        return url
-
-    @model_validator(mode="after")
-    def _heartbeat_within_ttl(self) -> AdmissionSettings:
-        if self.heartbeat_interval is not None and self.heartbeat_interval >= self.lease_ttl:
-            raise conflict("the lease heartbeat must be shorter than the lease TTL", "heartbeat_interval",
-                           "lease_ttl")
-        return self
-
-    @property
-    def heartbeat(self) -> float:
-        return self.heartbeat_interval if self.heartbeat_interval is not None else self.lease_ttl / 3
+_REFUSAL_TEXT = {
+    Reason.DUPLICATE_REQUEST_ID: "request id {id!r} is already queued or in flight",
+    Reason.TENANT_CONCURRENCY_LIMIT: "tenant {t!r} has {mi} requests in flight (its limit) and may not queue more",
+    Reason.TENANT_QUEUE_FULL: "tenant {t!r} has {mq} requests queued (its max_queued) and the engines are busy",
+    Reason.CLASS_QUEUE_FULL: "the {c} queue is full",
+    Reason.TOKEN_RATE_LIMITED: "tenant {t!r} is over its {tpm} tokens per minute",
+    Reason.TOKEN_BUDGET_TOO_SMALL: "the request's estimate ({cost} tokens: prompt + max_tokens) exceeds tenant "
+                                   "{t!r}'s whole budget of {tpm} tokens per minute; lower max_tokens",
+    Reason.QUEUE_WAIT_EXCEEDS_DEADLINE: "the estimated queue wait exceeds the request's deadline",
+}
 
 
 def _retrieve(op: asyncio.Future[Any]) -> None:
@@ -143,34 +67,104 @@ def _retrieve(op: asyncio.Future[Any]) -> None:
         op.exception()
 
 
-class Admission:
-    """Acquire / heartbeat / release tenant leases in Redis (one per router process)."""
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
-    def __init__(self, settings: AdmissionSettings) -> None:
+
+class Admitting:
+    """One request in admission: granted at once (`grant` set) or queued (`position`, `next()`)."""
+
+    def __init__(self, admission: Admission, waiter: Waiter | None, grant: Lease | LocalLease | None,
+                 position: int) -> None:
+        self._admission = admission
+        self._waiter = waiter
+        self._grant = grant
+        self.position = position
+
+    @property
+    def grant(self) -> Lease | LocalLease | None:
+        if self._grant is None and self._waiter is not None:
+            return self._waiter.lease
+        return self._grant
+
+    async def next(self) -> None:
+        """Wait until the position changes or the request is granted; raises its typed failure."""
+        waiter = self._waiter
+        assert waiter is not None
+        if waiter.lease is None and waiter.error is None:
+            await waiter.changed()
+        if waiter.error is not None:
+            raise waiter.error
+        self.position = waiter.position
+
+    def cancel(self) -> None:
+        """Cancelled (by the client, any router's Cancel): out of the queue at once."""
+        if self._waiter is not None and self.grant is None:
+            self._waiter.fail(Reason.CANCELLED.error("cancelled while queued"))
+
+    async def abandon(self) -> None:
+        """The request will not run (cancelled, deadline, client gone): its queue entry goes, or
+        its grant — if one raced in — is settled at zero tokens. Runs to the end when cancelled."""
+        if self._waiter is not None and self.grant is None:
+            await asyncio.shield(self._admission._spawn(self._admission._withdraw(self._waiter)))
+
+
+class Admission:
+    """The admission queue as one router process sees it (one per process)."""
+
+    def __init__(self, settings: AdmissionSettings, router_id: str = "") -> None:
         self.settings = settings
+        self.router_id = router_id or uuid.uuid4().hex[:16]
         # redis-py's own timeouts are loop timers too, so they are only a backstop far beyond
-        # op_timeout; `_watch` times operations. Retried once on a fresh connection: every
-        # script is idempotent (acquire of a held lease, ZADD XX, ZREM).
+        # op_timeout; `_watch` times operations. Retried once on a fresh connection.
         backstop = settings.op_timeout * (_MAX_EXTENSIONS + 2)
         pool = aioredis.BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=settings.max_connections, timeout=backstop,
             socket_timeout=backstop, socket_connect_timeout=settings.op_timeout, health_check_interval=30,
             retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
         self.redis = aioredis.Redis.from_pool(pool)
-        self._acquire = self.redis.register_script(_ACQUIRE)
-        self._heartbeat = self.redis.register_script(_HEARTBEAT)
-        self._heartbeat_all = self.redis.register_script(_HEARTBEAT_ALL)
-        self.leases = LeaseBook(self)
+        self._scripts = {name: self.redis.register_script(getattr(queue_lua, name))
+                         for name in ("ENQUEUE", "SETTLE", "CANCEL", "BEAT", "REAP")}
+        self.classes = settings.class_table()
+        self._classes_arg = ";".join(f"{c.name},{c.min_share},{c.max_queued}" for c in self.classes)
+        self._meta = f"tq:{{{settings.pool}}}:meta"
+        self.channel = f"tq:{{{settings.pool}}}:g:{self.router_id}"
+        # The pool's capacity in requests as this process sees its engines (`app.py` sets it);
+        # None = unknown, then settings.pool_capacity (or the capacity Redis last stored).
+        self.capacity: Callable[[], int | None] = lambda: None
+        self.book = Book(self)
+        self.local = LocalLimits()
         self._background: set[asyncio.Future[Any]] = set()
 
-    def _key(self, tenant: str) -> str:
-        return f"tr:{{{self.settings.pool}}}:leases:{tenant}"
-
+    # --------------------------------------------------------------------------------- plumbing
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
         task: asyncio.Task[T] = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    def use_engines(self, snapshots: Callable[[], Any]) -> None:
+        """Take the pool's capacity from the engine replicas' reports (`ports.ReplicaSnapshot`s)."""
+        cfg = self.settings
+        self.capacity = lambda: pool_capacity(snapshots(), cfg.capacity_factor, cfg.kv_high_water,
+                                              cfg.unknown_replica_capacity)
+
+    def capacity_now(self) -> int | None:
+        if self.settings.pool_capacity:
+            return self.settings.pool_capacity
+        return self.capacity()
+
+    def argv(self, *rest: Any) -> list[Any]:
+        cap = self.capacity_now()
+        return [self._classes_arg, "" if cap is None else cap, self.router_id,
+                int(self.settings.lease_ttl * 1000), *rest]
+
+    def call(self, script: str, *args: Any) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(self._scripts[script](keys=[self._meta], args=self.argv(*args)))
+
+    async def run(self, script: str, *args: Any) -> Any:
+        """One script call, timed by `_watch`; Redis failures raise (the caller decides)."""
+        return await self._watch(self.call(script, *args), script.lower())
 
     async def _watch(self, op: asyncio.Future[T], what: str) -> T:
         """`op`'s result within op_timeout of *Redis's* time. Never cancels `op` (a command cut off
@@ -199,97 +193,127 @@ class Admission:
                 self._background.add(op)
                 op.add_done_callback(self._background.discard)
 
-    async def _call(self, op: asyncio.Future[T], what: str) -> T | None:
+    def _store_failure(self, exc: BaseException, what: str) -> TokenrelayError:
+        if isinstance(exc, OutOfMemoryError):
+            metrics.REDIS_FAILURES.labels(what, "oom").inc()
+            return Reason.ADMISSION_STORE_FULL.error("the admission store is out of memory")
+        if not isinstance(exc, asyncio.TimeoutError):
+            metrics.REDIS_FAILURES.labels(what, "error").inc()
+        return Reason.REDIS_UNAVAILABLE.error(f"admission store unreachable ({what})")
+
+    def class_of(self, priority: int) -> str:
+        return self.settings.class_for(priority)
+
+    # ---------------------------------------------------------------------------------- the API
+    async def start(self) -> None:
+        """Check the server, start the grant listener and the reaper (`admit` starts them too)."""
         try:
-            return await self._watch(op, what)
+            info = await self._watch(asyncio.ensure_future(self.redis.info("server")), "ping")
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            if not isinstance(exc, asyncio.TimeoutError):
-                metrics.REDIS_FAILURES.labels(what, "error").inc()
-            if self.settings.fail_open:
-                log.warning("redis_unavailable_fail_open", op=what, error=str(exc))
-                return None
-            raise Reason.REDIS_UNAVAILABLE.error(f"admission store unreachable ({what})") from exc
+            log.warning("admission_store_unreachable_at_start", error=repr(exc))
+        else:
+            version = str(info.get("redis_version", "0"))
+            if int(version.split(".")[0]) < 7:
+                raise RuntimeError(f"the admission queue needs Redis 7.0 or newer (script flags); "
+                                   f"{self.settings.redis_url} runs {version}")
+        self.book.start()
 
-    async def acquire(self, tenant: str, request_id: str, limit: int) -> int:
-        """Take a lease or raise ResourceExhausted. Returns the tenant's in-flight count.
-
-        If the caller does not get the answer (cancelled, its deadline, a timeout) while Redis
-        may still grant the lease, the lease is released once granted: no lease outlives its
-        request for a TTL."""
-        ttl_ms = int(self.settings.lease_ttl * 1000)
-        op = asyncio.ensure_future(self._acquire(keys=[self._key(tenant)], args=[request_id, limit, ttl_ms]))
+    async def admit(self, req: AdmitRequest) -> Admitting:
+        """Enqueue `req`: granted at once, queued, or refused with a typed reason and a retry-after."""
+        self.book.start()
+        cls = self.class_of(req.priority)
+        cap = self.capacity_now()
+        if cap == 0:
+            raise Reason.NO_HEALTHY_REPLICA.error("no engine replica is serving")
+        member = f"{req.tenant}:{req.request_id}"
+        waiter = Waiter(member, req, cls, uuid.uuid4().hex[:12])
+        self.book.waiting[member] = waiter     # a grant message may come before the reply
+        remaining_ms = int(req.deadline * 1000) if req.deadline > 0 else 0
+        op = self.call("ENQUEUE", member, cls, req.cost, remaining_ms, waiter.nonce, req.max_in_flight,
+                       req.max_queued, req.tokens_per_minute, req.weight, int(self.settings.max_queue_wait * 1000))
         try:
-            result: Any = await self._call(op, "acquire")
-        except BaseException:
-            self._release_if_granted(op, tenant, request_id)
+            reply = await self._watch(op, "enqueue")
+        except BaseException as exc:
+            # The caller gave up (cancelled, its deadline) or Redis did not answer in time, while
+            # Redis may still queue or grant it: once Redis answers, take it out again.
+            self.book.waiting.pop(member, None)
+            op.add_done_callback(lambda done: self._withdraw_after(done, waiter))
+            if isinstance(exc, (RedisError, OSError, asyncio.TimeoutError)):
+                return self._fail_open(req, cls, exc)
             raise
-        if result is None:  # fail-open: admitted without a lease; one granted later is released
-            self._release_if_granted(op, tenant, request_id)
-            return 0
-        granted, value = int(result[0]), int(result[1])
-        if not granted:
-            raise Reason.TENANT_CONCURRENCY_LIMIT.error(
-                f"tenant {tenant!r} has {limit} requests in flight (its limit)", retry_after=value / 1000)
-        return value
+        status, value, extra = int(reply[0]), reply[1], int(reply[2])
+        self.book.notices(reply[3:])
+        if status == 1:
+            lease = self.book.granted(waiter, _s(value))
+            metrics.ADMISSION.labels(req.tenant, cls, "granted").inc()
+            return Admitting(self, None, lease, 0)
+        if status == 2:
+            if waiter.lease is not None:          # granted by a message that raced the reply
+                return Admitting(self, None, waiter.lease, 0)
+            waiter.position = int(value)
+            self.book.keep_alive()
+            metrics.ADMISSION.labels(req.tenant, cls, "queued").inc()
+            return Admitting(self, waiter, None, int(value))
+        self.book.waiting.pop(member, None)
+        raise self._refusal(_s(value), extra, req, cls)
 
-    def _release_if_granted(self, op: asyncio.Future[Any], tenant: str, request_id: str) -> None:
-        def settle(done: asyncio.Future[Any]) -> None:
-            if done.cancelled() or done.exception() is not None:
-                return  # never granted (or unknown: the heartbeat loop does not know it, the TTL frees it)
-            if int(done.result()[0]):
-                log.info("lease_released_after_abandoned_acquire", tenant=tenant, request_id=request_id)
-                self._spawn(self._release(tenant, request_id))
-        op.add_done_callback(settle)
+    def _refusal(self, name: str, retry_ms: int, req: AdmitRequest, cls: str) -> TokenrelayError:
+        reason = Reason.lookup(name)
+        metrics.ADMISSION.labels(req.tenant, cls, name.lower()).inc()
+        if reason is None or reason not in _REFUSAL_TEXT:
+            return Reason.INTERNAL.error(f"admission refused with an unknown reason {name!r}")
+        text = _REFUSAL_TEXT[reason].format(id=req.request_id, t=req.tenant, mi=req.max_in_flight,
+                                          mq=req.max_queued, c=cls, tpm=req.tokens_per_minute, cost=req.cost)
+        return reason.error(text, retry_after=retry_ms / 1000 if retry_ms > 0 else None)
 
-    async def heartbeat(self, tenant: str, request_id: str) -> bool:
-        ttl_ms = int(self.settings.lease_ttl * 1000)
-        op = asyncio.ensure_future(self._heartbeat(keys=[self._key(tenant)], args=[request_id, ttl_ms]))
-        result = await self._call(op, "heartbeat")
-        return bool(result) if result is not None else True
+    def _fail_open(self, req: AdmitRequest, cls: str, exc: BaseException) -> Admitting:
+        error = self._store_failure(exc, "enqueue")
+        if not self.settings.fail_open:
+            raise error from exc
+        metrics.ADMISSION_FAIL_OPEN.inc()
+        log.warning("admission_fail_open", error=repr(exc), tenant=req.tenant)
+        return Admitting(self, None, self.local.admit(req, cls, self.capacity_now()), 0)
 
-    async def heartbeat_all(self, leases: dict[str, list[str]]) -> list[tuple[str, str]]:
-        """Extend every lease of `leases` (tenant -> request ids) in one call; the (tenant, id)
-        pairs no longer held are returned."""
-        tenants = list(leases)
-        args: list[Any] = [int(self.settings.lease_ttl * 1000)]
-        for tenant in tenants:
-            args.append(len(leases[tenant]))
-            args.extend(leases[tenant])
-        op = asyncio.ensure_future(self._heartbeat_all(keys=[self._key(t) for t in tenants], args=args))
-        lost: Any = await self._call(op, "heartbeat")
-        if not lost:
-            return []
-        return [(tenants[int(lost[i]) - 1], lost[i + 1].decode() if isinstance(lost[i + 1], bytes) else lost[i + 1])
-                for i in range(0, len(lost), 2)]
+    def _withdraw_after(self, op: asyncio.Future[Any], waiter: Waiter) -> None:
+        if op.cancelled() or op.exception() is not None:
+            return    # never queued, or unknown: without keep-alives Redis drops it within --lease-ttl
+        status, value = int(op.result()[0]), op.result()[1]
+        self.book.notices(op.result()[3:])
+        if status == 1:
+            log.info("lease_released_after_abandoned_enqueue", member=waiter.member)
+            self._spawn(self.book.granted(waiter, _s(value)).settle_tokens(0))
+        elif status == 2:
+            self._spawn(self._withdraw(waiter))
 
-    async def release(self, tenant: str, request_id: str) -> None:
-        """Release a lease. Runs to the end even if the caller is cancelled; a failure is logged
-        and retried by the heartbeat loop (never raised: the request is over either way)."""
-        await asyncio.shield(self._spawn(self._release(tenant, request_id)))
-
-    async def _release(self, tenant: str, request_id: str) -> bool:
+    async def _withdraw(self, waiter: Waiter) -> None:
+        """Take an abandoned request out of the queue; a grant that raced in is settled at zero."""
+        self.book.waiting.pop(waiter.member, None)
+        if waiter.lease is not None:
+            await waiter.lease.settle_tokens(0)
+            return
         try:
-            op = asyncio.ensure_future(self.redis.zrem(self._key(tenant), request_id))
-            await self._watch(op, "release")
-            self.leases.released(tenant, request_id)
-            return True
+            reply = await self.run("CANCEL", waiter.member, waiter.nonce)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            log.warning("lease_release_failed", tenant=tenant, request_id=request_id, error=repr(exc),
-                        retry="heartbeat loop")
-            self.leases.release_later(tenant, request_id)
-            return False
+            # Its keep-alive is no longer sent: Redis drops it within --lease-ttl.
+            log.warning("queue_cancel_failed", member=waiter.member, error=repr(exc))
+            return
+        self.book.notices(reply[2:])
+        if int(reply[0]) == 2:   # granted meanwhile
+            await self.book.granted(waiter, _s(reply[1])).settle_tokens(0)
+
+    async def depths(self) -> dict[str, int]:
+        reply = await self.run("REAP")
+        self.book.notices(reply[len(self.classes):])
+        return {c.name: int(n) for c, n in zip(self.classes, reply, strict=False)}
 
     async def in_flight(self, tenant: str) -> int:
-        key = self._key(tenant)
-        ms = await self.redis.time()
-        now = ms[0] * 1000 + ms[1] // 1000
-        return int(await self.redis.zcount(key, now, "+inf"))
+        return int(await self.redis.zcard(f"tq:{{{self.settings.pool}}}:tl:{tenant}"))
 
     async def ping(self) -> None:
-        await self._call(asyncio.ensure_future(self.redis.ping()), "ping")
+        await self._watch(asyncio.ensure_future(self.redis.ping()), "ping")
 
     async def close(self) -> None:
-        await self.leases.close()
+        await self.book.close()
         if self._background:
             await asyncio.wait(set(self._background), timeout=self.settings.op_timeout)
             for op in list(self._background):   # an operation Redis never answered
@@ -297,84 +321,20 @@ class Admission:
         await self.redis.aclose()
 
 
-class LeaseBook:
-    """Every lease of this router process, kept alive by one task: each heartbeat interval one
-    script call extends all of them and retries the releases that failed."""
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-        self._held: dict[str, set[str]] = {}
-        self._pending: dict[tuple[str, str], float] = {}   # failed releases -> give up after (monotonic)
-        self._task = OwnedTask("lease-heartbeats")
-
-    def __len__(self) -> int:
-        return sum(len(ids) for ids in self._held.values())
-
-    @property
-    def pending_releases(self) -> int:
-        return len(self._pending)
-
-    def add(self, tenant: str, request_id: str) -> None:
-        self._held.setdefault(tenant, set()).add(request_id)
-        metrics.LEASES_HELD.inc()
-        self._task.ensure(self._run)
-
-    def discard(self, tenant: str, request_id: str) -> None:
-        ids = self._held.get(tenant)
-        if ids is not None and request_id in ids:
-            ids.discard(request_id)
-            metrics.LEASES_HELD.dec()
-            if not ids:
-                del self._held[tenant]
-
-    def release_later(self, tenant: str, request_id: str) -> None:
-        self._pending[(tenant, request_id)] = time.monotonic() + self._admission.settings.lease_ttl
-        metrics.LEASE_RELEASE_RETRIES.inc()
-        self._task.ensure(self._run)
-
-    def released(self, tenant: str, request_id: str) -> None:
-        self._pending.pop((tenant, request_id), None)
-
-    async def _run(self) -> None:
-        while self._held or self._pending:
-            await asyncio.sleep(self._admission.settings.heartbeat)
-            await self.tick()
-
-    async def tick(self) -> None:
-        """One round: extend every held lease, retry every failed release."""
-        now = time.monotonic()
-        for key, give_up in list(self._pending.items()):
-            if now > give_up:  # expired in Redis by now
-                self._pending.pop(key, None)
-            else:
-                await self._admission._release(*key)
-        if not self._held:
-            return
-        try:
-            lost = await self._admission.heartbeat_all({t: sorted(ids) for t, ids in self._held.items()})
-        except Exception as exc:  # noqa: BLE001 - the next tick tries again; the TTL allows ~3
-            log.warning("lease_heartbeat_failed", leases=len(self), error=repr(exc))
-            return
-        for tenant, request_id in lost:
-            log.warning("lease_lost", tenant=tenant, request_id=request_id)
-
-    async def close(self) -> None:
-        await self._task.close()
+def pool_capacity(snapshots: Any, factor: float, kv_high_water: float, unknown: int) -> int:
+    """Requests the engine pool takes at once: each serving replica's running-batch size (its
+    reported max_active, or `unknown` before its first report) times `factor`; a replica whose
+    KV cache is above `kv_high_water` takes no more than it runs now."""
+    total = 0.0
+    for s in snapshots:
+        if not (s.healthy and s.serving):
+            continue
+        slots = float(s.max_active or unknown) * factor
+        if s.kv_total and s.kv_used >= kv_high_water * s.kv_total:
+            slots = min(slots, float(s.active))
+        total += slots
+    return int(total + 0.5) if total else 0
 
 
-class LeaseKeeper:
-    """Holds one lease for the life of a request: heartbeated by the process's `LeaseBook`,
-    released at exit (even when the exit is a cancellation)."""
-
-    def __init__(self, admission: Admission, tenant: str, request_id: str) -> None:
-        self._admission = admission
-        self._tenant = tenant
-        self._request_id = request_id
-
-    async def __aenter__(self) -> LeaseKeeper:
-        self._admission.leases.add(self._tenant, self._request_id)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._admission.leases.discard(self._tenant, self._request_id)
-        await self._admission.release(self._tenant, self._request_id)
+def now_ms() -> int:
+    return int(time.time() * 1000)

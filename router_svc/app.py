@@ -47,7 +47,7 @@ async def serve(settings: RouterSettings) -> None:
         tenants = TenantsReloader(settings.tenants_file, settings.tenants_reload_interval)
     except TenantsFileError as exc:
         raise SystemExit(f"router_svc: {exc}") from None
-    admission = Admission(settings.admission)
+    admission = Admission(settings.admission, router_id=settings.cluster.router_id)
     gate = OverloadGate(settings.limits.max_requests_in_flight, settings.limits.max_loop_lag_ms / 1000,
                         max_accept_wait=settings.limits.max_accept_wait_ms / 1000)
     # Request ids, Cancel and sessions across router processes: the admission section's Redis and pool.
@@ -65,6 +65,8 @@ async def serve(settings: RouterSettings) -> None:
         await cluster.start()
         await _wait_tokenizer(tokenizer, upstreams.startup_timeout)
         await engines.start()
+        adm = settings.admission
+        await admission.start()
         limits = settings.limits
         gate.start()
         router = build_router(
@@ -72,8 +74,9 @@ async def serve(settings: RouterSettings) -> None:
             engine_attempts=settings.routing.engine_attempts,
             progress_timeout=settings.routing.engine_progress_timeout,
             bounds=Bounds(limits.max_session_id, limits.max_model_name, limits.max_messages,
-                          limits.max_role_chars, limits.max_content_chars),
-            gate=gate, registry=cluster.registry, affinity=cluster.sessions)
+                          limits.max_role_chars, limits.max_content_chars, limits.default_max_tokens),
+            gate=gate, registry=cluster.registry, affinity=cluster.sessions,
+            default_max_queued=adm.default_max_queued)
         server = GrpcServer(settings.server.host, settings.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
                             security=settings.security, reuse_port=settings.cluster.reuse_port)
         add_to_server(InferenceServicer(router, tenants), server.server)

@@ -10,6 +10,7 @@ from services.config import Section, ServiceSettings, section
 
 from .admission import AdmissionSettings
 from .tokenize_batch import MAX_BYTES, MAX_CALLS
+from .validation import DEFAULT_MAX_TOKENS
 
 
 class UpstreamSettings(Section):
@@ -74,6 +75,10 @@ class LimitSettings(Section):
     max_role_chars: int = Field(64, ge=1, le=4096, description="longest chat message role (characters)")
     max_content_chars: int = Field(1_000_000, ge=1, le=64_000_000, description="longest chat message "
                                                                                "content, and prompt (characters)")
+    default_max_tokens: int = Field(
+        DEFAULT_MAX_TOKENS, ge=1, le=1 << 20, description="max_tokens of a request that sets none (0 on the wire), "
+                                                          "at most the tenant's max_tokens_cap and the context the "
+                                                          "prompt leaves")
 
 
 class ClusterSettings(Section):
@@ -106,7 +111,7 @@ class RouterSettings(ServiceSettings):
     tenants_reload_interval: float = Field(5.0, ge=0, description="seconds between checks of the tenants file "
                                            "for changes (0 = reload on SIGHUP only)")
     upstreams: UpstreamSettings = section(UpstreamSettings, "upstreams")
-    admission: AdmissionSettings = section(AdmissionSettings, "admission (Redis leases)")
+    admission: AdmissionSettings = section(AdmissionSettings, "admission (the queue shared through Redis)")
     routing: RoutingSettings = section(RoutingSettings, "routing")
     limits: LimitSettings = section(LimitSettings, "limits")
     cluster: ClusterSettings = section(ClusterSettings, "cluster (router processes sharing a port and Redis)")

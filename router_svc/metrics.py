@@ -79,9 +79,19 @@ ACCEPT_WAIT = Histogram("tokenrelay_router_accept_wait_seconds", "Round trip of 
                         "itself every 250 ms: how long a new unary call waits for its answer (gRPC's accept "
                         "path included, which loop lag does not show)", buckets=LATENCY_BUCKETS)
 REDIS_SECONDS = Histogram("tokenrelay_router_redis_seconds", "Admission store operations by op "
-                          "(acquire, heartbeat, release), as the router sees them", ["op"], buckets=LATENCY_BUCKETS)
+                          "(enqueue, settle, cancel, beat, reap), as the router sees them", ["op"],
+                          buckets=LATENCY_BUCKETS)
 REDIS_FAILURES = Counter("tokenrelay_router_redis_failures_total", "Admission store operations that "
-                         "failed, by op and cause (error, timeout)", ["op", "cause"])
+                         "failed, by op and cause (error, timeout, oom)", ["op", "cause"])
 LEASES_HELD = Gauge("tokenrelay_router_leases_held", "Leases this router process heartbeats")
+ADMISSION = Counter("tokenrelay_router_admission_total", "Admission outcomes by tenant, class and outcome: "
+                    "granted (at once), queued, or the refusal's reason in lower case", ["tenant", "class", "outcome"])
+ADMISSION_QUEUE = Histogram("tokenrelay_router_admission_queue_seconds", "Time queued requests of this router "
+                            "waited for their grant, by tenant and class", ["tenant", "class"],
+                            buckets=LATENCY_BUCKETS)
+QUEUE_DEPTH = Gauge("tokenrelay_router_queue_depth", "Requests queued in the pool's admission queue (all routers), "
+                    "by class, as this router last read it", ["class"])
+ADMISSION_FAIL_OPEN = Counter("tokenrelay_router_admission_fail_open_total", "Requests admitted on this "
+                              "router's own limits because the admission store was unreachable (--fail-open)")
 LEASE_RELEASE_RETRIES = Counter("tokenrelay_router_lease_release_retries_total",
                                 "Lease releases that failed and were queued for the heartbeat loop to retry")

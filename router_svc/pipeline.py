@@ -37,6 +37,8 @@ from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
 from .placement import LeastLoaded, LocalSessionAffinity
 from .ports import (
     Admission,
+    AdmitRequest,
+    Admitting,
     Broken,
     Detokenize,
     DetokSessionPort,
@@ -49,7 +51,7 @@ from .ports import (
     Tokenize,
 )
 from .request import LocalRequestRegistry, RequestState
-from .tenants import Tenant
+from .tenants import Tenant, tenant_limits
 from .types import Accepted, Delta, DetokOut, Done, Event, GenerateInput
 from .validation import DEFAULT_BOUNDS, MAX_REQUEST_ID, Bounds, check_lengths, validate_input
 
@@ -77,6 +79,7 @@ class RouterOptions:
     engine_attempts: int = 2
     progress_timeout: float = 10.0
     bounds: Bounds = DEFAULT_BOUNDS
+    default_max_queued: int = 256     # a tenant's max_queued when its entry sets none
 
 
 @dataclass
@@ -202,9 +205,16 @@ class Router:
         try:
             registry.on_cancel(tenant.name, state.request_id, state.cancel)
             await tokenizing
-            check_lengths(state.prompt_ids, inp.sampling, tenant, self._max_context())
-            yield Accepted(state.request_id, len(state.prompt_ids))
-            grant = await self._admit(tenant, state, rctx)
+            check_lengths(state.prompt_ids, inp.sampling, tenant, self._max_context(), self.options.bounds)
+            admitting = await self._enqueue(tenant, state, rctx)
+            yield Accepted(state.request_id, len(state.prompt_ids), admitting.position)
+            if admitting.grant is None:
+                async for event in self._queued(state, admitting, rctx):
+                    yield event
+            grant = admitting.grant
+            assert grant is not None
+            state.t_admitted = time.monotonic()
+            state.timings.queue_seconds = max(0.0, state.t_admitted - state.t_arrival - state.timings.tokenize_seconds)
             try:
                 async for event in self._run(state, metrics, rctx):
                     if isinstance(event, Done):
@@ -238,20 +248,37 @@ class Router:
         state.timings.tokenize_seconds = state.t_tokenized - t
         state.check_deadline()
 
-    async def _admit(self, tenant: Tenant, state: RequestState, rctx: Context) -> Grant:
-        QUEUED.labels(tenant.name).inc()
+    async def _enqueue(self, tenant: Tenant, state: RequestState, rctx: Context) -> Admitting:
+        """One round trip: granted at once, queued (with its position), or refused."""
+        limits = tenant_limits(tenant, self.options.default_max_queued)
+        request = AdmitRequest(tenant.name, state.request_id, state.priority, state.cost, state.remaining(), *limits)
+        try:
+            with _tracer.start_as_current_span("admission", context=rctx):
+                async with asyncio.timeout(state.remaining()):
+                    return await self.ports.admission.admit(request)
+        except TimeoutError:
+            raise Reason.DEADLINE_EXCEEDED.error("the deadline passed while waiting for admission") from None
+
+    async def _queued(self, state: RequestState, admitting: Admitting, rctx: Context) -> AsyncIterator[Event]:
+        """Wait in the queue: an `Accepted` with the new position at each change, until granted.
+        A deadline, a Cancel (from any router) or the client going away takes it out at once."""
+        QUEUED.labels(state.tenant).inc()
+        self.ports.registry.on_cancel(state.tenant, state.request_id, admitting.cancel)
         try:
             with _tracer.start_as_current_span("queue_wait", context=rctx):
                 async with asyncio.timeout(state.remaining()):
-                    grant = await self.ports.admission.admit(tenant.name, state.request_id,
-                                                             tenant.max_in_flight, state.cost)
+                    while admitting.grant is None:
+                        await admitting.next()
+                        if admitting.grant is None:
+                            yield Accepted(state.request_id, len(state.prompt_ids), admitting.position)
         except TimeoutError:
-            raise Reason.DEADLINE_EXCEEDED.error("the deadline passed while waiting for admission") from None
+            await admitting.abandon()
+            raise Reason.DEADLINE_EXCEEDED.error("the deadline passed while queued") from None
+        except BaseException:
+            await admitting.abandon()
+            raise
         finally:
-            QUEUED.labels(tenant.name).dec()
-        state.t_admitted = time.monotonic()
-        state.timings.queue_seconds = max(0.0, state.t_admitted - state.t_arrival - state.timings.tokenize_seconds)
-        return grant
+            QUEUED.labels(state.tenant).dec()
 
     def _max_context(self) -> int:
         meta = self.ports.tokenizer.meta

@@ -129,16 +129,50 @@ class EngineStream(Protocol):
 
 
 # ------------------------------------------------------------------------------------------ admission
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """What admission needs of a request: who, how urgent, what it costs, and the tenant's limits
+    (resolved from the tenants file: the queue sees numbers, never the file)."""
+
+    tenant: str
+    request_id: str
+    priority: int              # resolved: 1 low, 2 normal, 3 high
+    cost: int                  # estimated tokens: prompt + max_tokens
+    deadline: float            # seconds left (0 = none)
+    max_in_flight: int
+    max_queued: int
+    tokens_per_minute: int = 0     # 0 = unlimited
+    weight: float = 1.0
+
+
 class Grant(Protocol):
     """An admitted request's lease. `settle(usage)` at the end (idempotent); it also releases."""
 
     async def settle(self, usage: Usage) -> None: ...
 
 
+class Admitting(Protocol):
+    """A request in admission: `grant` is set once it is granted; until then `position` is its
+    place in the queue and `next()` waits for the next change (raising its typed failure)."""
+
+    grant: Grant | None
+    position: int
+
+    async def next(self) -> None: ...
+
+    def cancel(self) -> None:
+        """Cancelled (any router's Cancel): fail the wait at once."""
+        ...
+
+    async def abandon(self) -> None:
+        """The request will not run: leave the queue (a grant that raced in is given back)."""
+        ...
+
+
 class Admission(Protocol):
-    async def admit(self, tenant: str, request_id: str, limit: int, cost: int) -> Grant:
-        """Take a lease (raises ResourceExhausted / Unavailable). Cancellation while admitting
-        leaves no lease behind."""
+    async def admit(self, request: AdmitRequest) -> Admitting:
+        """Enqueue: granted at once, queued, or refused (ResourceExhausted / Unavailable with a
+        reason and a retry-after). Cancellation while admitting leaves nothing behind."""
         ...
 
 

@@ -6,15 +6,15 @@ Keys are stored as SHA-256 hex digests, never in plain text::
     tenants:
       - name: search-team
         api_key_sha256: 5e884898da...     # `tokenrelay hash-key KEY` prints it
-        max_in_flight: 8                  # concurrent requests, cluster-wide (Redis leases)
+        max_in_flight: 8                  # concurrent requests, cluster-wide (the admission queue's leases)
         max_prompt_tokens: 0              # 0 = the model's context
         max_tokens_cap: 0                 # 0 = the model's context
         allowed_models: ["*"]
         priority_ceiling: high            # low | normal | high
         default_priority: normal
-        weight: 1                         # planned: the fair admission queue
-        max_queued: 0                     # planned: the admission queue
-        tokens_per_minute: 0              # planned: the admission queue (0 = unlimited)
+        weight: 1                         # share of the engines when tenants compete (fair queue)
+        max_queued: 64                    # requests waiting in the queue (unset = the router's default)
+        tokens_per_minute: 0              # prompt + completion tokens per minute (0 = unlimited)
 
 Every field of `Tenant` is documented there. A file with an unknown key, a value of the wrong type
 or out of range, two tenants of one name or one key refuses to load as a whole (`TenantsFileError`,
@@ -90,13 +90,17 @@ class Tenant(BaseModel):
     max_in_flight: Annotated[StrictInt, Field(ge=1, le=2**31 - 1)] = Field(
         8, description="requests the tenant may have in flight at once, cluster-wide (Redis leases); "
                              "one more is refused with RESOURCE_EXHAUSTED/TENANT_CONCURRENCY_LIMIT.")
-    max_queued: Count = Field(
-        0, description="requests of the tenant that may wait for admission beyond max_in_flight. Enforced by "
-                       "the admission queue (planned); nothing reads it yet: today a request over "
-                       "max_in_flight is refused at once, which is what 0 will mean.")
+    max_queued: Count | None = Field(
+        None, description="requests of the tenant that may wait in the admission queue (for its own "
+                          "max_in_flight or for room in the engine pool); unset = the router's "
+                          "--default-max-queued; 0 = never wait: refused at once with TENANT_CONCURRENCY_LIMIT "
+                          "or TENANT_QUEUE_FULL.")
     tokens_per_minute: Count = Field(
-        0, description="prompt + completion tokens the tenant may use per minute, cluster-wide; "
-                       "0 = unlimited. Enforced by the admission queue (planned); nothing reads it yet.")
+        0, description="prompt + completion tokens the tenant may use per minute, cluster-wide; 0 = unlimited. "
+                       "Charged at admission on the estimate (prompt + max_tokens), settled with the actual "
+                       "tokens when the request ends (a reply that runs past the budget is not cut; its overrun "
+                       "is charged). A request waits in the queue while the budget refills, or is refused with "
+                       "TOKEN_RATE_LIMITED and a retry-after when that wait is beyond its deadline.")
     max_prompt_tokens: Count = Field(
         0, description="longest prompt in tokens, after the chat template; 0 = the model's context. "
                        "Longer is refused with INVALID_ARGUMENT/PROMPT_TOO_LONG.")
@@ -116,7 +120,8 @@ class Tenant(BaseModel):
     weight: float = Field(
         1.0, gt=0, le=1e6, strict=True,
         description="the tenant's share when tenants compete for the engines, relative to the others' "
-                    "weights. Used by the fair admission queue (planned); nothing reads it yet.")
+                    "weights: within a priority class, backlogged tenants are served tokens in proportion "
+                    "to their weights (start-time fair queuing on prompt + completion tokens).")
 
     @model_validator(mode="before")
     @classmethod
@@ -164,6 +169,12 @@ class Tenant(BaseModel):
         if priority > self.priority_ceiling:
             raise Reason.PRIORITY_NOT_ALLOWED.error(f"tenant {self.name!r} may not use priority {priority}")
         return priority
+
+
+def tenant_limits(tenant: Tenant, default_max_queued: int) -> tuple[int, int, int, float]:
+    """The admission queue's view of a tenant: max_in_flight, max_queued, tokens_per_minute, weight."""
+    queued = default_max_queued if tenant.max_queued is None else tenant.max_queued
+    return tenant.max_in_flight, queued, tenant.tokens_per_minute, tenant.weight
 
 
 class _TenantsFile(BaseModel):

@@ -217,6 +217,21 @@ class Reason(StrEnum):
     # -- limits, overload and availability
     TENANT_CONCURRENCY_LIMIT = "TENANT_CONCURRENCY_LIMIT", _client(
         ResourceExhausted, "the tenant's cluster-wide concurrency limit", retry_after=1.0)
+    # (issue 11: the admission queue)
+    TENANT_QUEUE_FULL = "TENANT_QUEUE_FULL", _client(ResourceExhausted, "the tenant's max_queued requests are "
+                                                     "already waiting for admission", retry_after=1.0)
+    CLASS_QUEUE_FULL = "CLASS_QUEUE_FULL", _client(ResourceExhausted, "the priority class's queue is full, "
+                                                   "pool-wide", retry_after=1.0)
+    TOKEN_RATE_LIMITED = "TOKEN_RATE_LIMITED", _client(ResourceExhausted, "the tenant's tokens_per_minute would "
+                                                       "not allow this request before its deadline")
+    TOKEN_BUDGET_TOO_SMALL = "TOKEN_BUDGET_TOO_SMALL", _client(ResourceExhausted, "prompt + max_tokens exceeds "
+                                                               "the tenant's whole tokens_per_minute")
+    QUEUE_WAIT_EXCEEDS_DEADLINE = "QUEUE_WAIT_EXCEEDS_DEADLINE", _client(
+        ResourceExhausted, "the estimated queue wait is beyond the request's deadline (or --max-queue-wait)")
+    QUEUE_ENTRY_LOST = "QUEUE_ENTRY_LOST", _client(Unavailable, "the request's queue entry expired (its router "
+                                                   "missed its keep-alives)", retry_after=0.1)
+    ADMISSION_STORE_FULL = "ADMISSION_STORE_FULL", _client(Unavailable, "the admission store (Redis) is at "
+                                                           "maxmemory (fail-closed)", retry_after=1.0)
     OVERLOADED = "OVERLOADED", _client(Unavailable, "a tokenizer or engine replica is over its queue limit",
                                        retryable=True, retry_after=1.0)
     SHUTTING_DOWN = "SHUTTING_DOWN", _client(Unavailable, "the replica is draining or shutting down",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.data import SHARED_DATA, shared_path  # noqa: F401 - re-exported for test modules
+from tests.redisproc import redis_proc  # noqa: F401 - a restartable redis-server of a test's own
 
 
 @pytest.fixture(scope="session")

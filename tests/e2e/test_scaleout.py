@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
-import os
 import pathlib
 import signal
 import subprocess
 import sys
-import uuid
 
 import grpc
 import pytest
@@ -29,76 +26,11 @@ import pytest
 from services.channels import CHANNEL_OPTIONS, open_channel
 from services.client import Client, Finished, TextDelta
 from services.errors import Cancelled, InvalidArgument, TokenrelayError
-from services.grpc_util import wait_healthy
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc, inference_pb2, inference_pb2_grpc
+from tests.e2e.prockit import KEYS, Procs
 from tests.meshkit import scrape
 from tests.waiting import poll
-from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
-from tokenrelay_tools.cli.launcher import CACHE, engine_args_for, engine_argv
-
-KEYS = {"t1": "key-one-" + "a" * 16, "t2": "key-two-" + "b" * 16}
-# Slow enough to catch requests before their first token and mid-stream; fast enough for 2 cores.
-SIM = ["--sim-decode-step-time", "0.01", "--sim-prefill-time-per-token", "0.0005"]
-
-
-class Procs:
-    """Services of one test as real processes on ephemeral ports, killed at the end."""
-
-    def __init__(self, tmp: pathlib.Path, redis_url: str) -> None:
-        self.tmp = tmp
-        self.redis_url = redis_url
-        self.pool = uuid.uuid4().hex[:12]
-        self.model = ensure_byte_tokenizer(CACHE)
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.addr: dict[str, str] = {}
-        self.metrics: dict[str, str] = {}
-        tenants = tmp / "tenants.yaml"
-        tenants.write_text("tenants:\n" + "".join(
-            f"  - name: {t}\n    api_key_sha256: {hashlib.sha256(k.encode()).hexdigest()}\n    max_in_flight: 64\n"
-            for t, k in KEYS.items()))
-        self.tenants = tenants
-
-    def spawn(self, name: str, module: str, *args: str, port: int = 0) -> None:
-        port_file, metrics_file = self.tmp / f"{name}.port", self.tmp / f"{name}.mport"
-        argv = [sys.executable, "-m", module, "--port", str(port), "--port-file", str(port_file),
-                "--metrics-port", "0", "--metrics-port-file", str(metrics_file), "--log-format", "console", *args]
-        log = open(self.tmp / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        log.close()
-
-    async def ready(self, *names: str) -> None:
-        async def one(name: str) -> None:
-            port_file = self.tmp / f"{name}.port"
-            await poll(lambda: port_file.exists() or self.procs[name].poll() is not None, timeout=60,
-                       what=f"{name} to start")
-            assert self.procs[name].poll() is None, self.log(name)
-            self.addr[name] = f"127.0.0.1:{port_file.read_text().strip()}"
-            self.metrics[name] = f"http://127.0.0.1:{(self.tmp / f'{name}.mport').read_text().strip()}/metrics"
-            await wait_healthy(self.addr[name], timeout=60)
-        await asyncio.gather(*(one(n) for n in names))
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
-
-    async def upstreams(self, *engine_flags: str, engines: int = 2) -> None:
-        self.spawn("tok", "tokenizer_svc", "--tokenizer", str(self.model))
-        for i in range(engines):
-            self.spawn(f"e{i}", "engine_svc", "--backend", "sim", "--model", str(self.model),
-                       *engine_args_for(self.model, "sim"), *SIM, *engine_flags)
-        await self.ready("tok", *(f"e{i}" for i in range(engines)))
-
-    def router(self, name: str, *args: str, port: int = 0) -> None:
-        engines = ",".join(self.addr[n] for n in sorted(self.addr) if n.startswith("e"))
-        self.spawn(name, "router_svc", "--tokenizers", self.addr["tok"], "--engines", engines,
-                   "--redis-url", self.redis_url, "--pool", self.pool, "--tenants-file", str(self.tenants),
-                   "--router-id", name, "--engine-poll-interval", "0.2", *args, port=port)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
+from tokenrelay_tools.cli.launcher import engine_argv
 
 
 async def _load(address: str) -> engine_pb2.LoadReport:
@@ -206,7 +138,7 @@ def test_up_refuses_a_port_held_by_another_reuse_port_server(tmp_path):
         r = subprocess.run([sys.executable, "-m", "tokenrelay_tools.cli.main", "up", "--engine", "sim",
                             "--routers", "2", "--port", str(port), "--state-file", str(tmp_path / "s.json"),
                             "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
+    assert r.returncode == 2   # a refusal before anything starts (issue 14)
     assert f"port 127.0.0.1:{port} is in use" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "logs").exists()  # refused before starting anything
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router_svc.pipeline import Ports, Router, RouterOptions
-from router_svc.ports import ReplicaSnapshot
+from router_svc.ports import AdmitRequest, ReplicaSnapshot
 from router_svc.tenants import Tenant
 from router_svc.types import DetokOut, EngineChunk, Sampling, TokenizerMeta, Usage
 from services.errors import Reason, TokenrelayError
@@ -158,19 +158,39 @@ class FakeGrant:
         self.admission.held.discard(self.key)
 
 
+class FakeAdmitting:
+    """Granted at once (the fake has no queue)."""
+
+    def __init__(self, grant: FakeGrant) -> None:
+        self.grant: FakeGrant | None = grant
+        self.position = 0
+
+    async def next(self) -> None:
+        raise AssertionError("a granted request does not wait")
+
+    def cancel(self) -> None:
+        return None
+
+    async def abandon(self) -> None:
+        return None
+
+
 class FakeAdmission:
     def __init__(self) -> None:
         self.held: set[tuple[str, str]] = set()
         self.gate: asyncio.Event | None = None
         self.refuse: TokenrelayError | None = None
+        self.requests: list[AdmitRequest] = []
 
-    async def admit(self, tenant: str, request_id: str, limit: int, cost: int) -> FakeGrant:
+    async def admit(self, request: AdmitRequest) -> FakeAdmitting:
+        self.requests.append(request)
         if self.gate is not None:
             await self.gate.wait()
         if self.refuse is not None:
             raise self.refuse
-        self.held.add((tenant, request_id))
-        return FakeGrant(self, (tenant, request_id))
+        key = (request.tenant, request.request_id)
+        self.held.add(key)
+        return FakeAdmitting(FakeGrant(self, key))
 
 
 @dataclass

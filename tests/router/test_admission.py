@@ -1,70 +1,273 @@
-"""Lease-based admission against a real redis-server."""
+"""The admission queue's semantics against a real redis-server: limits, queueing, grants,
+fencing, idempotency, cancellation, deadlines, token budgets, dead owners and Redis failures."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 
-from router_svc.admission import Admission, AdmissionSettings, LeaseKeeper
-from services.errors import ResourceExhausted, Unavailable
+from services.errors import DeadlineExceeded, ResourceExhausted, TokenrelayError, Unavailable
+from tests.router.admission_kit import PoolView, admission, req
+
+CLASSES = ["interactive", "standard", "batch"]
 
 
 @pytest.fixture
-async def admission(redis_url):
-    adm = Admission(AdmissionSettings(redis_url=redis_url, pool=uuid.uuid4().hex, lease_ttl=0.5,
-                                      heartbeat_interval=0.1))
-    yield adm
-    await adm.close()
+async def adm(redis_url):
+    a = admission(redis_url)
+    view = PoolView(redis_url, a.settings.pool)
+    yield a, view
+    await view.check_invariants(CLASSES)
+    await a.close()
+    await view.close()
 
 
-async def test_concurrency_limit_and_release(admission):
-    await admission.acquire("t", "r1", 2)
-    await admission.acquire("t", "r2", 2)
+async def test_granted_at_once_while_the_pool_has_room_then_queued_in_order(adm) -> None:
+    a, view = adm
+    first, second = await a.admit(req("t", "1")), await a.admit(req("t", "2"))
+    assert first.grant is not None and second.grant is not None
+    third, fourth = await a.admit(req("t", "3")), await a.admit(req("t", "4"))
+    assert (third.grant, third.position, fourth.grant, fourth.position) == (None, 1, None, 2)
+    assert await view.leases() == 2 and await view.queued("standard") == 2
+    await view.check_invariants(CLASSES)
+    await first.grant.settle_tokens(100)
+    await asyncio.wait_for(third.next(), 5)      # the settle dispatched the head of the queue
+    assert third.grant is not None and fourth.grant is None
+    await asyncio.wait_for(fourth.next(), 5)     # ...and the next one's position moved up
+    assert fourth.position == 1 and fourth.grant is None
+    for x in (second, third):
+        await x.grant.settle_tokens(10)
+    await asyncio.wait_for(fourth.next(), 5)
+    await fourth.grant.settle_tokens(10)
+    assert await view.leases() == 0 and await a.in_flight("t") == 0
+
+
+async def test_tenant_concurrency_limit_queues_or_refuses(adm) -> None:
+    a, _ = adm
+    held = await a.admit(req("t", "1", max_in_flight=1))
+    waiting = await a.admit(req("t", "2", max_in_flight=1))
+    assert held.grant is not None and waiting.grant is None      # the pool has room; the tenant has not
     with pytest.raises(ResourceExhausted) as e:
-        await admission.acquire("t", "r3", 2)
-    assert e.value.reason == "TENANT_CONCURRENCY_LIMIT"
-    assert e.value.retry_after is not None and 0 < e.value.retry_after <= 0.5
-    await admission.acquire("other", "r3", 2)  # limits are per tenant
-    await admission.acquire("t", "r1", 2)  # re-acquiring one's own lease is idempotent
-    await admission.release("t", "r1")
-    await admission.acquire("t", "r3", 2)
-    assert await admission.in_flight("t") == 2
+        await a.admit(req("t", "3", max_in_flight=1, max_queued=0))
+    assert e.value.reason == "TENANT_CONCURRENCY_LIMIT" and e.value.retry_after
+    other = await a.admit(req("u", "1", max_in_flight=1))           # limits are per tenant
+    assert other.grant is not None
+    with pytest.raises(ResourceExhausted) as e:
+        await a.admit(req("t", "4", max_in_flight=1, max_queued=1))
+    assert e.value.reason == "TENANT_QUEUE_FULL"
+    await held.grant.settle_tokens(1)
+    await asyncio.wait_for(waiting.next(), 5)
+    assert waiting.grant is not None
+    await waiting.grant.settle_tokens(1)
+    await other.grant.settle_tokens(1)
 
 
-async def test_dead_owner_lease_expires(admission):
-    await admission.acquire("t", "dead", 1)
-    with pytest.raises(ResourceExhausted):
-        await admission.acquire("t", "next", 1)
-    # The owner never heartbeats (it "died"): after the TTL its capacity comes back.
-    deadline = asyncio.get_running_loop().time() + 5
-    while True:
-        try:
-            await admission.acquire("t", "next", 1)
-            break
-        except ResourceExhausted:
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.05)
-    assert not await admission.heartbeat("t", "dead")  # an expired lease is not revived
+async def test_a_retried_enqueue_is_not_counted_twice_and_a_duplicate_id_is_refused(adm) -> None:
+    a, view = adm
+    await a.admit(req("t", "1"))
+    await a.admit(req("t", "2"))
+    args = ("t:dup", "standard", 10, 30000, "nonce-1", 100, 100, 0, 1.0, 60000)
+    first = await a.run("ENQUEUE", *args)
+    again = await a.run("ENQUEUE", *args)       # redis-py's retry on a fresh connection does exactly this
+    assert [int(first[0]), int(first[1])] == [int(again[0]), int(again[1])] == [2, 1]
+    assert await view.queued("standard") == 1
+    other = await a.run("ENQUEUE", "t:dup", "standard", 10, 30000, "nonce-2", 100, 100, 0, 1.0, 60000)
+    assert other[1] == b"DUPLICATE_REQUEST_ID"
+    await a.run("CANCEL", "t:dup", "nonce-1")
+    assert await view.queued("standard") == 0
 
 
-async def test_heartbeat_keeps_lease_alive(admission):
-    await admission.acquire("t", "held", 1)
-    async with LeaseKeeper(admission, "t", "held"):
-        await asyncio.sleep(1.2)  # > 2 TTLs: only heartbeats keep it
-        with pytest.raises(ResourceExhausted):
-            await admission.acquire("t", "other", 1)
-    await admission.acquire("t", "other", 1)  # released on exit
+async def test_cancel_removes_a_queued_request_at_once(adm) -> None:
+    a, view = adm
+    held = [await a.admit(req("t", str(i))) for i in range(2)]
+    queued = await a.admit(req("t", "q"))
+    assert await view.queued("standard") == 1
+    queued.cancel()
+    with pytest.raises(TokenrelayError) as e:
+        await queued.next()
+    assert e.value.reason == "CANCELLED"
+    await queued.abandon()
+    assert await view.queued("standard") == 0
+    for h in held:
+        await h.grant.settle_tokens(1)
 
 
-async def test_redis_down_fails_closed_or_open(tmp_path):
+async def test_a_deadline_while_queued_removes_it_and_a_hopeless_one_is_refused(adm) -> None:
+    a, view = adm
+    held = [await a.admit(req("t", str(i))) for i in range(2)]
+    short = await a.admit(req("t", "short", deadline=0.3))
+    # Nobody settles: the reaper drops it at its deadline and tells its owner.
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(short.next(), 5)
+    assert await view.queued("standard") == 0
+    # Once the queue knows how long a lease lasts, a request that would wait past its deadline is
+    # refused at once, with a retry-after.
+    await a.redis.hset(f"tq:{{{a.settings.pool}}}:stats", mapping={"svc": 10_000, "n": 50})
+    blocker = await a.admit(req("t", "blocker"))
+    with pytest.raises(ResourceExhausted) as e:
+        await a.admit(req("t", "hopeless", deadline=1.0))
+    assert e.value.reason == "QUEUE_WAIT_EXCEEDS_DEADLINE" and e.value.retry_after >= 1
+    await blocker.abandon()
+    for h in held:
+        await h.grant.settle_tokens(1)
+
+
+async def test_token_budget_queues_until_it_refills_and_settles_actual_usage(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=10)
+    try:
+        # 6000 tokens/min = 100/s: a 600-token estimate fills the minute's burst... of 6000; ask for more.
+        first = await a.admit(req("t", "1", cost=6000, tpm=6000))
+        assert first.grant is not None
+        await first.grant.settle_tokens(600)            # it used a tenth: 5400 tokens come back at once
+        again = await a.admit(req("t", "2", cost=5000, tpm=6000))
+        assert again.grant is not None
+        await again.grant.settle_tokens(5000)
+        # Now ~5600 of 6000 are used: a 1200-token request waits ~8 s for the budget, so it queues...
+        later = await a.admit(req("t", "3", cost=1200, tpm=6000, deadline=30))
+        assert later.grant is None
+        # ...while one that cannot fit before its deadline is refused with the wait as retry-after.
+        with pytest.raises(ResourceExhausted) as e:
+            await a.admit(req("t", "4", cost=1200, tpm=6000, deadline=2))
+        assert e.value.reason == "TOKEN_RATE_LIMITED" and 2 < e.value.retry_after <= 60
+        with pytest.raises(ResourceExhausted) as e:
+            await a.admit(req("t", "5", cost=7000, tpm=6000))
+        assert e.value.reason == "TOKEN_BUDGET_TOO_SMALL"
+        await later.abandon()
+    finally:
+        await a.close()
+
+
+async def test_a_parked_tenant_is_granted_when_its_budget_refills(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=10)
+    try:
+        first = await a.admit(req("t", "1", cost=600, tpm=600))     # the whole minute's budget... at 10/s
+        await first.grant.settle_tokens(600)
+        waiting = await a.admit(req("t", "2", cost=5, tpm=600, deadline=10))
+        assert waiting.grant is None
+        t0 = asyncio.get_running_loop().time()
+        while waiting.grant is None:
+            await asyncio.wait_for(waiting.next(), 5)
+        # 5 tokens at 10/s: ~0.5 s (+ the reaper's interval)
+        assert 0.2 < asyncio.get_running_loop().time() - t0 < 3
+        await waiting.grant.settle_tokens(5)
+    finally:
+        await a.close()
+
+
+async def test_dead_owner_leases_expire_and_a_stale_owner_cannot_settle(redis_url) -> None:
+    dead = admission(redis_url, lease_ttl=0.5, heartbeat_interval=0.1, queue_poll=0.1)
+    alive = admission(redis_url, pool=dead.settings.pool, lease_ttl=0.5, heartbeat_interval=0.1, queue_poll=0.1)
+    try:
+        x = await dead.admit(req("t", "1", max_in_flight=1))
+        await dead.book._beat.close()            # it "dies": no heartbeats from now on
+        queued = await alive.admit(req("t", "2", max_in_flight=1))
+        assert queued.grant is None
+        await asyncio.wait_for(queued.next(), 5)   # its lease expired; the reaper dispatched the next
+        assert queued.grant is not None
+        reply = await dead.run("SETTLE", x.grant.member, x.grant.fence, 100, 0, 1.0)
+        assert int(reply[0]) == 2             # expired: its tokens are charged, the capacity is not freed twice
+        again = await dead.run("SETTLE", x.grant.member, x.grant.fence, 100, 0, 1.0)
+        assert int(again[0]) == 0             # and never twice
+        assert await alive.in_flight("t") == 1
+        await queued.grant.settle_tokens(1)
+    finally:
+        await alive.close()
+        await dead.close()
+
+
+async def test_heartbeats_keep_leases_and_queued_requests_alive(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=1, lease_ttl=0.5, heartbeat_interval=0.1, queue_poll=0.1)
+    try:
+        held = await a.admit(req("t", "1"))
+        queued = await a.admit(req("t", "2", deadline=0))
+        await asyncio.sleep(1.2)                   # > 2 TTLs: only heartbeats keep them
+        assert await a.in_flight("t") == 1 and queued.grant is None and queued._waiter.error is None
+        await held.grant.settle_tokens(1)
+        await asyncio.wait_for(queued.next(), 5)
+        assert queued.grant is not None
+        await queued.grant.settle_tokens(1)
+    finally:
+        await a.close()
+
+
+async def test_no_serving_engine_is_refused_at_once(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=0)
+    a.capacity = lambda: 0
+    try:
+        with pytest.raises(Unavailable) as e:
+            await a.admit(req("t", "1"))
+        assert e.value.reason == "NO_HEALTHY_REPLICA"
+    finally:
+        await a.close()
+
+
+async def test_redis_down_fails_closed_or_open(tmp_path) -> None:
     url = f"unix://{tmp_path}/nothing.sock"
-    closed = Admission(AdmissionSettings(redis_url=url, op_timeout=0.5))
+    closed = admission(url, op_timeout=0.5)
     with pytest.raises(Unavailable) as e:
-        await closed.acquire("t", "r", 1)
+        await closed.admit(req("t", "r"))
     assert e.value.reason == "REDIS_UNAVAILABLE"
     await closed.close()
-    opened = Admission(AdmissionSettings(redis_url=url, op_timeout=0.5, fail_open=True))
-    assert await opened.acquire("t", "r", 1) == 0
+    opened = admission(url, op_timeout=0.5, fail_open=True)
+    x = await opened.admit(req("t", "r", max_in_flight=1))
+    assert x.grant is not None
+    with pytest.raises(ResourceExhausted):            # local limits still apply
+        await opened.admit(req("t", "s", max_in_flight=1))
+    await x.grant.settle_tokens(1)
+    assert (await opened.admit(req("t", "s", max_in_flight=1))).grant is not None
     await opened.close()
+
+
+async def test_priority_classes_are_strict_without_a_minimum_share(redis_url) -> None:
+    a = admission(redis_url, queue_classes="interactive:0:100,standard:0:100,batch:0:100")
+    try:
+        held = [await a.admit(req("t", str(i))) for i in range(2)]
+        low = await a.admit(req("u", "low", priority=1))
+        high = await a.admit(req("v", "high", priority=3))
+        assert (low.position, high.position) == (1, 1)   # the high one is ahead of everything below
+        await held[0].grant.settle_tokens(1)
+        await asyncio.wait_for(high.next(), 5)
+        assert high.grant is not None and low.grant is None
+        await held[1].grant.settle_tokens(1)
+        while low.grant is None:
+            await asyncio.wait_for(low.next(), 5)
+        await high.grant.settle_tokens(1)
+        await low.grant.settle_tokens(1)
+    finally:
+        await a.close()
+
+
+async def test_a_class_below_its_minimum_share_goes_first(redis_url) -> None:
+    a = admission(redis_url)            # batch: 5% of recently granted tokens
+    try:
+        held = [await a.admit(req("t", str(i))) for i in range(2)]   # 200 tokens granted, none to batch
+        low = await a.admit(req("u", "low", priority=1))
+        high = await a.admit(req("v", "high", priority=3))
+        await held[0].grant.settle_tokens(100)
+        await asyncio.wait_for(low.next(), 5)
+        assert low.grant is not None and high.grant is None
+        await held[1].grant.settle_tokens(100)
+        await asyncio.wait_for(high.next(), 5)
+        await high.grant.settle_tokens(1)
+        await low.grant.settle_tokens(1)
+    finally:
+        await a.close()
+
+
+async def test_redis_at_maxmemory_refuses_new_requests_cleanly_and_still_settles(redis_url) -> None:
+    a = admission(redis_url)
+    try:
+        held = await a.admit(req("t", "1"))
+        await a.redis.config_set("maxmemory", "1")
+        try:
+            with pytest.raises(Unavailable) as e:
+                await a.admit(req("t", "2"))
+            assert e.value.reason == "ADMISSION_STORE_FULL"
+            await held.grant.settle_tokens(5)          # settling frees memory: it must go through
+            assert await a.in_flight("t") == 0 and not a.book._pending
+        finally:
+            await a.redis.config_set("maxmemory", "0")
+        assert (await a.admit(req("t", "3"))).grant is not None
+    finally:
+        await a.close()

@@ -1,8 +1,9 @@
 """Admission defects of issue 10, each reproduced against a real redis-server of the test's own
-(restartable, AOF so leases survive a kill -9 as a production Redis with persistence does).
+(restartable, AOF so leases survive a kill -9 as a production Redis with persistence does), kept
+for the admission queue of issue 11:
 
-- a deadline or cancel that hits while acquire is in flight leaked the lease for its TTL;
-- a release on a stale pooled connection after a Redis restart was swallowed unlogged;
+- a deadline or cancel that hits while the enqueue is in flight leaked the lease for its TTL;
+- a settle on a stale pooled connection after a Redis restart was swallowed unlogged;
 - one Redis connection per concurrent request;
 - a stalled event loop turned a healthy Redis into REDIS_UNAVAILABLE;
 - a heartbeat task per request.
@@ -11,63 +12,24 @@
 from __future__ import annotations
 
 import asyncio
-import pathlib
-import shutil
 import signal
-import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
 import structlog.testing
 
-from router_svc.admission import Admission, AdmissionSettings, LeaseKeeper
+from router_svc.admission import Admission, AdmissionSettings
 from services.errors import ResourceExhausted
+from tests.redisproc import RedisProc
+from tests.router.admission_kit import req
 from tests.waiting import poll
 
 
-class RedisProc:
-    """redis-server on a unix socket that a test may kill -9 and start again on the same socket."""
-
-    def __init__(self, tmp: pathlib.Path) -> None:
-        self.dir = tmp
-        self.sock = tmp / "redis.sock"
-        self.url = f"unix://{self.sock}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            pytest.fail("redis-server is required")
-        self.sock.unlink(missing_ok=True)
-        self.proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(self.sock), "--save", "",
-                                      "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not self.sock.exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.01)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-
-@pytest.fixture
-def redis_proc(tmp_path: pathlib.Path) -> Iterator[RedisProc]:
-    r = RedisProc(tmp_path)
-    r.start()
-    yield r
-    if r.proc is not None and r.proc.poll() is None:
-        r.proc.terminate()
-        r.proc.wait(10)
-
-
 def _admission(url: str, **kw: object) -> Admission:
-    settings: dict[str, object] = {"redis_url": url, "pool": uuid.uuid4().hex, "lease_ttl": 30.0, **kw}
+    settings: dict[str, object] = {"redis_url": url, "pool": uuid.uuid4().hex, "lease_ttl": 30.0,
+                                   "pool_capacity": 1000, "reap_interval": 30.0, **kw}
     return Admission(AdmissionSettings(**settings))  # type: ignore[arg-type]
 
 
@@ -75,7 +37,7 @@ async def _count(url: str, adm: Admission, tenant: str) -> int:
     """Leases held by `tenant`, read on a connection of its own."""
     r = aioredis.from_url(url)
     try:
-        return int(await r.zcard(adm._key(tenant)))
+        return int(await r.zcard(f"tq:{{{adm.settings.pool}}}:tl:{tenant}"))
     finally:
         await r.aclose()
 
@@ -90,23 +52,23 @@ async def test_lease_granted_after_caller_gave_up_is_released(redis_proc: RedisP
     adm = _admission(redis_proc.url)
     other = aioredis.from_url(redis_proc.url)
     try:
-        await adm.acquire("t", "warm", 5)   # loads the script, so the paused call is the acquire itself
-        await adm.release("t", "warm")
+        warm = await adm.admit(req("t", "warm"))   # loads the script, so the paused call is the enqueue itself
+        await warm.grant.settle_tokens(0)
+        await asyncio.wait_for(adm.book.listening.wait(), 5)   # the grant listener holds one connection
         calls = await _evalsha_calls(other)
-        await other.execute_command("CLIENT", "PAUSE", 500, "WRITE")   # Redis holds the acquire...
-        task = asyncio.ensure_future(adm.acquire("t", "r1", 5))
+        await other.execute_command("CLIENT", "PAUSE", 500, "WRITE")   # Redis holds the enqueue...
+        task = asyncio.ensure_future(adm.admit(req("t", "r1")))
         if how == "deadline":
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.1):            # ...while the request's deadline passes
                     await task
         else:
-            await poll(lambda: adm.redis.connection_pool._in_use_connections, what="acquire sent")
+            await poll(lambda: len(adm.redis.connection_pool._in_use_connections) >= 2, what="enqueue sent")
             task.cancel()                                   # ...or the client cancels
             with pytest.raises(asyncio.CancelledError):
                 await task
-        # Redis runs the acquire when the pause ends and grants the lease to nobody:
-        await poll(lambda: _granted(other, calls), timeout=5,
-                   what="the paused acquire ran")
+        # Redis runs the enqueue when the pause ends and grants the lease to nobody:
+        await poll(lambda: _granted(other, calls), timeout=5, what="the paused enqueue ran")
         await poll(lambda: _zero(redis_proc.url, adm, "t"), timeout=3, what="the lease released")
     finally:
         await other.aclose()
@@ -121,34 +83,34 @@ async def _zero(url: str, adm: Admission, tenant: str) -> bool:
     return await _count(url, adm, tenant) == 0
 
 
-async def test_release_after_redis_restart_frees_the_slot(redis_proc: RedisProc) -> None:
+async def test_settle_after_redis_restart_frees_the_slot(redis_proc: RedisProc) -> None:
     adm = _admission(redis_proc.url)
     try:
         # Several pooled connections, each used once, then Redis dies and comes back (AOF: leases kept).
-        await asyncio.gather(*(adm.acquire("t", f"r{i}", 100) for i in range(4)))
+        held = await asyncio.gather(*(adm.admit(req("t", f"r{i}")) for i in range(4)))
         assert await _count(redis_proc.url, adm, "t") == 4
         redis_proc.kill()
         redis_proc.start()
         assert await _count(redis_proc.url, adm, "t") == 4
-        for i in range(4):   # each release may land on a connection that died with the old server
-            await adm.release("t", f"r{i}")
+        for x in held:   # each settle may land on a connection that died with the old server
+            await x.grant.settle_tokens(1)
         assert await _count(redis_proc.url, adm, "t") == 0
     finally:
         await adm.close()
 
 
-async def test_release_while_redis_is_down_is_retried_and_logged(redis_proc: RedisProc) -> None:
+async def test_settle_while_redis_is_down_is_retried_and_logged(redis_proc: RedisProc) -> None:
     adm = _admission(redis_proc.url, op_timeout=0.5, heartbeat_interval=0.1)
     try:
-        await adm.acquire("t", "r1", 5)
+        x = await adm.admit(req("t", "r1"))
         redis_proc.kill()
         with structlog.testing.capture_logs() as logs:
-            await adm.release("t", "r1")           # fails: logged, and kept for the heartbeat loop
-        assert [e["event"] for e in logs] == ["lease_release_failed"]
-        assert adm.leases.pending_releases == 1
+            await x.grant.settle_tokens(1)         # fails: logged, and kept for the heartbeat loop
+        assert [e["event"] for e in logs if "lease" in e["event"]] == ["lease_settle_failed"]
+        assert len(adm.book._pending) == 1
         redis_proc.start()
-        await poll(lambda: _zero(redis_proc.url, adm, "t"), timeout=5, what="the retried release")
-        await poll(lambda: adm.leases.pending_releases == 0, what="nothing left to retry")
+        await poll(lambda: _zero(redis_proc.url, adm, "t"), timeout=5, what="the retried settle")
+        await poll(lambda: not adm.book._pending, what="nothing left to retry")
     finally:
         await adm.close()
 
@@ -163,19 +125,20 @@ def _hog(loop: asyncio.AbstractEventLoop, until: float, each: float) -> None:
 async def test_a_stalled_or_busy_loop_is_not_redis_unavailable(redis_proc: RedisProc) -> None:
     adm = _admission(redis_proc.url, op_timeout=0.2)
     try:
-        await adm.acquire("t", "warm", 5)
+        await adm.admit(req("t", "warm"))
         loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(adm.acquire("t", "r1", 5))
+        task = asyncio.ensure_future(adm.admit(req("t", "r1")))
         loop.call_soon(time.sleep, 0.8)             # one stall while Redis answers at once
-        assert await task == 2
+        first = await task
+        assert first.grant is not None
         # A busy loop: each iteration takes 0.15 s, so an operation's few iterations outlast
         # op_timeout (0.2 s) although Redis answers in microseconds.
         loop.call_soon(_hog, loop, time.monotonic() + 1.5, 0.15)
-        results = await asyncio.gather(*(adm.acquire("t", f"b{i}", 50) for i in range(10)),
-                                       adm.release("t", "r1"), return_exceptions=True)
+        results = await asyncio.gather(*(adm.admit(req("t", f"b{i}")) for i in range(10)),
+                                       first.grant.settle_tokens(1), return_exceptions=True)
         assert [r for r in results if isinstance(r, BaseException)] == []
         assert await _count(redis_proc.url, adm, "t") == 11
-        assert getattr(getattr(adm, "leases", None), "pending_releases", 0) == 0
+        assert not adm.book._pending
     finally:
         await adm.close()
 
@@ -183,13 +146,13 @@ async def test_a_stalled_or_busy_loop_is_not_redis_unavailable(redis_proc: Redis
 async def test_redis_that_does_not_answer_is_still_unavailable(redis_proc: RedisProc) -> None:
     adm = _admission(redis_proc.url, op_timeout=0.3)
     try:
-        await adm.acquire("t", "warm", 5)
+        await adm.admit(req("t", "warm"))
         assert redis_proc.proc is not None
         redis_proc.proc.send_signal(signal.SIGSTOP)      # a hung Redis, on a loop that is on time
         try:
             t0 = time.monotonic()
             with pytest.raises(Exception) as e:
-                await adm.acquire("t", "r1", 5)
+                await adm.admit(req("t", "r1"))
             assert getattr(e.value, "reason", None) == "REDIS_UNAVAILABLE"
             assert 0.25 < time.monotonic() - t0 < 1.5
         finally:
@@ -202,9 +165,9 @@ async def test_one_bounded_pool_per_process(redis_proc: RedisProc) -> None:
     adm = _admission(redis_proc.url, max_connections=4)
     other = aioredis.from_url(redis_proc.url)
     try:
-        await asyncio.gather(*(adm.acquire("t", f"r{i}", 1000) for i in range(200)))
+        await asyncio.gather(*(adm.admit(req("t", f"r{i}", max_in_flight=1000)) for i in range(200)))
         clients = await other.client_list()
-        assert len(clients) <= 4 + 1, len(clients)       # the pool's and this one
+        assert len(clients) <= 4 + 1, len(clients)       # the pool's (its grant listener's included) and this one
         assert await _count(redis_proc.url, adm, "t") == 200
     finally:
         await other.aclose()
@@ -212,46 +175,22 @@ async def test_one_bounded_pool_per_process(redis_proc: RedisProc) -> None:
 
 
 async def test_one_heartbeat_task_and_call_for_all_leases(redis_proc: RedisProc) -> None:
-    adm = _admission(redis_proc.url, lease_ttl=0.5, heartbeat_interval=0.1)
+    adm = _admission(redis_proc.url, lease_ttl=0.5, heartbeat_interval=0.1, queue_poll=0.1)
     other = aioredis.from_url(redis_proc.url)
     try:
-        for i in range(50):
-            await adm.acquire("t" if i % 2 else "u", f"r{i}", 25)
-        before = len(asyncio.all_tasks())
-        keepers = [LeaseKeeper(adm, "t" if i % 2 else "u", f"r{i}") for i in range(50)]
-        for k in keepers:
-            await k.__aenter__()
-        assert len(asyncio.all_tasks()) == before + 1      # one task for all 50 leases
+        held = [await adm.admit(req("t" if i % 2 else "u", f"r{i}", max_in_flight=25)) for i in range(50)]
+        tasks = [t for t in asyncio.all_tasks() if t.get_name() == "admission-heartbeats"]
+        assert len(tasks) == 1                             # one task for all 50 leases
         calls = await _evalsha_calls(other)
         await asyncio.sleep(1.2)                           # > 2 TTLs: only heartbeats keep them
         ticks = await _evalsha_calls(other) - calls
         assert 3 <= ticks <= 15, ticks                     # one call per tick, not one per lease
         with pytest.raises(ResourceExhausted):
-            await adm.acquire("t", "extra", 25)
-        for k in keepers:
-            await k.__aexit__(None, None, None)
+            await adm.admit(req("t", "extra", max_in_flight=25, max_queued=0))
+        for x in held:
+            await x.grant.settle_tokens(1)
         assert await _count(redis_proc.url, adm, "t") == 0 and await _count(redis_proc.url, adm, "u") == 0
-        assert len(adm.leases) == 0
+        assert len(adm.book.leases) == 0
     finally:
         await other.aclose()
-        await adm.close()
-
-
-async def test_the_core_admission_adapter_uses_the_one_heartbeat_task(redis_proc: RedisProc) -> None:
-    from router_svc.adapters import LeaseAdmission
-    from router_svc.types import Usage
-
-    adm = _admission(redis_proc.url, lease_ttl=0.5, heartbeat_interval=0.1)
-    try:
-        port = LeaseAdmission(adm)
-        grants = [await port.admit("t", f"r{i}", 10, 1) for i in range(5)]
-        assert len(adm.leases) == 5
-        tasks = [t for t in asyncio.all_tasks() if t.get_name() == "lease-heartbeats"]
-        assert len(tasks) == 1
-        with pytest.raises(ResourceExhausted):
-            await port.admit("t", "r9", 5, 1)
-        for g in grants:
-            await g.settle(Usage())
-        assert len(adm.leases) == 0 and await _count(redis_proc.url, adm, "t") == 0
-    finally:
         await adm.close()

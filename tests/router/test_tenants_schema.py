@@ -53,7 +53,7 @@ tenants:
         16, 64, 120000, 4096, 512)
     assert a.allowed_models == ("m1", "m2")
     b = reg.authenticate("key-b")
-    assert (b.max_in_flight, b.max_queued, b.tokens_per_minute, b.allowed_models, b.weight) == (8, 0, 0, ("*",), 1.0)
+    assert (b.max_in_flight, b.max_queued, b.tokens_per_minute, b.allowed_models, b.weight) == (8, None, 0, ("*",), 1.0)
     assert (b.priority_ceiling, b.default_priority) == (PRIORITIES["high"], PRIORITIES["normal"])
     assert b.model_dump()["priority_ceiling"] == "high"  # dumps as written
     # Every field is documented, so `--help`-style listings and the README can be generated from it.

@@ -26,30 +26,13 @@ from router_svc.types import Delta, Done, GenerateInput, Sampling
 from router_svc.upstreams import EnginePool, TokenizerUpstream
 from services.errors import TokenrelayError
 from services.grpc_util import wait_healthy
+from tests.router.core_fakes import FakeAdmission
 from tests.tokenizer.tok_artefacts import build_bytelevel
 from tests.waiting import poll
 from tokenizer_svc.app import TokenizerApp
 from tokenizer_svc.config import TokenizerSettings
 
 TENANT = Tenant(name="t", api_key_sha256="0" * 64)
-
-
-class _NoLeases:
-    def add(self, tenant: str, request_id: str) -> None:
-        return None
-
-    def discard(self, tenant: str, request_id: str) -> None:
-        return None
-
-
-class AlwaysAdmit:
-    leases = _NoLeases()
-
-    async def acquire(self, tenant: str, request_id: str, limit: int) -> int:
-        return 1
-
-    async def release(self, tenant: str, request_id: str) -> None:
-        return None
 
 
 @contextlib.asynccontextmanager
@@ -70,7 +53,7 @@ async def mesh(tmp_path: pathlib.Path, engines: tuple[dict[str, Any], ...] = ({}
     try:
         await upstream.info()
         await pool.start()
-        yield build_router(upstream, pool, AlwaysAdmit(), request_timeout=30, engine_attempts=engine_attempts), tok
+        yield build_router(upstream, pool, FakeAdmission(), request_timeout=30, engine_attempts=engine_attempts), tok
     finally:
         await pool.close()
         await upstream.close()

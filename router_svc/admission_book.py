@@ -1,0 +1,301 @@
+"""What one router process holds in the admission queue, kept by three tasks for all of it.
+
+- `Book`: every lease and queued request of this process. One heartbeat call per tick extends
+  all of them (queued requests are also told their position, and a grant whose message was
+  lost is found), retries failed settlements, and restores what a Redis that lost its data
+  forgot. One listener receives grants for this process's queued requests; one reaper calls the
+  housekeeping script every --reap-interval. None of it is per request.
+- `Waiter`: a queued request, woken on a grant, a position change or its failure.
+- `Lease`: a granted request; `settle(usage)` charges the actual tokens and frees it (once).
+- `LocalLimits`: the fail-open fallback, this process's own per-tenant and pool counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from services.errors import Reason, TokenrelayError
+from services.logging import get_logger
+from services.tasks import OwnedTask
+
+from . import metrics
+from .ports import AdmitRequest
+from .types import Usage
+
+if TYPE_CHECKING:
+    from .admission import Admission
+
+log = get_logger(__name__)
+_GONE = {"deadline": (Reason.DEADLINE_EXCEEDED, "the deadline passed while queued"),
+         "lost": (Reason.QUEUE_ENTRY_LOST, "the queue entry expired (this router missed its keep-alives)"),
+         "cancelled": (Reason.CANCELLED, "cancelled while queued"),
+         "refused": (Reason.CANCELLED, "refused")}
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Waiter:
+    """A queued request of this process."""
+
+    def __init__(self, member: str, req: AdmitRequest, cls: str, nonce: str) -> None:
+        self.member, self.req, self.cls, self.nonce = member, req, cls, nonce
+        self.position = 0
+        self.lease: Lease | None = None
+        self.error: TokenrelayError | None = None
+        self.t_queued = time.monotonic()
+        self._event = asyncio.Event()
+
+    async def changed(self) -> None:
+        await self._event.wait()
+        self._event.clear()
+
+    def moved(self, position: int) -> None:
+        if position != self.position and self.lease is None and self.error is None:
+            self.position = position
+            self._event.set()
+
+    def fail(self, error: TokenrelayError) -> None:
+        if self.lease is None and self.error is None:
+            self.error = error
+            self._event.set()
+
+
+class Lease:
+    """A granted request: heartbeated by its process's `Book` until settled."""
+
+    def __init__(self, book: Book, waiter: Waiter, fence: str) -> None:
+        self._book = book
+        self.member, self.fence, self.cls, self.req = waiter.member, fence, waiter.cls, waiter.req
+        self.nonce = waiter.nonce
+        self._settled = False
+
+    async def settle(self, usage: Usage) -> None:
+        await self.settle_tokens(usage.prompt_tokens + usage.completion_tokens)
+
+    async def settle_tokens(self, tokens: int) -> None:
+        """Charge `tokens` (actual usage) and free the lease; idempotent, runs to the end when the
+        caller is cancelled; a failure is retried by the heartbeat loop until the lease would
+        have expired anyway (never raised: the request is over either way)."""
+        if self._settled:
+            return
+        self._settled = True
+        self._book.leases.pop(self.member, None)
+        metrics.LEASES_HELD.dec()
+        await asyncio.shield(self._book.admission._spawn(self._book.settle(self, tokens)))
+
+
+class LocalLease:
+    """A fail-open grant: counted by this process only."""
+
+    def __init__(self, limits: LocalLimits, tenant: str) -> None:
+        self._limits, self._tenant, self._settled = limits, tenant, False
+
+    async def settle(self, usage: Usage) -> None:
+        await self.settle_tokens(0)
+
+    async def settle_tokens(self, tokens: int) -> None:
+        if not self._settled:
+            self._settled = True
+            self._limits.release(self._tenant)
+
+
+class LocalLimits:
+    """Fail-open admission: the tenant's max_in_flight and the pool capacity, this process only."""
+
+    def __init__(self) -> None:
+        self._tenants: dict[str, int] = {}
+        self.total = 0
+
+    def admit(self, req: AdmitRequest, cls: str, capacity: int | None) -> LocalLease:
+        held = self._tenants.get(req.tenant, 0)
+        if held >= req.max_in_flight or (capacity is not None and self.total >= capacity):
+            metrics.ADMISSION.labels(req.tenant, cls, "tenant_concurrency_limit").inc()
+            raise Reason.TENANT_CONCURRENCY_LIMIT.error(
+                f"tenant {req.tenant!r} has {req.max_in_flight} requests in flight on this router "
+                "(admission store unreachable: local limits)")
+        self._tenants[req.tenant] = held + 1
+        self.total += 1
+        return LocalLease(self, req.tenant)
+
+    def release(self, tenant: str) -> None:
+        self._tenants[tenant] = max(0, self._tenants.get(tenant, 0) - 1)
+        self.total = max(0, self.total - 1)
+
+
+class Book:
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.leases: dict[str, Lease] = {}
+        self.waiting: dict[str, Waiter] = {}
+        self._pending: dict[str, tuple[Lease, int, float]] = {}  # failed settles -> tokens, give up at
+        self._beat = OwnedTask("admission-heartbeats")
+        self._listener = OwnedTask("admission-grants")
+        self._reaper = OwnedTask("admission-reaper")
+        self.listening = asyncio.Event()
+
+    def start(self) -> None:
+        self._listener.ensure(self._listen)
+        self._reaper.ensure(self._reap)
+
+    # ------------------------------------------------------------------------- grants and notices
+    def granted(self, waiter: Waiter, fence: str) -> Lease:
+        self.waiting.pop(waiter.member, None)
+        if waiter.lease is None:
+            waiter.lease = Lease(self, waiter, fence)
+            self.leases[waiter.member] = waiter.lease
+            metrics.LEASES_HELD.inc()
+            metrics.ADMISSION_QUEUE.labels(waiter.req.tenant, waiter.cls).observe(time.monotonic() - waiter.t_queued)
+            waiter._event.set()
+            self.keep_alive()
+        return waiter.lease
+
+    def notices(self, flat: list[Any]) -> None:
+        """(member, fence, why) triples from a script: grants and removals of this process's requests."""
+        for i in range(0, len(flat) - 2, 3):
+            self.notice(_s(flat[i]), _s(flat[i + 1]), _s(flat[i + 2]))
+
+    def notice(self, member: str, fence: str, why: str) -> None:
+        waiter = self.waiting.get(member)
+        if why == "grant":
+            if waiter is not None:
+                self.granted(waiter, fence)
+            elif member not in self.leases:   # its request was abandoned: give the capacity back
+                log.info("grant_for_abandoned_request", member=member)
+                self.admission._spawn(self._settle_orphan(member, fence))
+            return
+        if waiter is not None:
+            self.waiting.pop(member, None)
+            reason, text = _GONE.get(why, _GONE["lost"])
+            waiter.fail(reason.error(text))
+
+    async def _settle_orphan(self, member: str, fence: str) -> None:
+        try:
+            await self.admission.run("SETTLE", member, fence, 0, 0, 1)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("orphan_settle_failed", member=member, error=repr(exc))
+
+    # ----------------------------------------------------------------------------- settlement
+    async def settle(self, lease: Lease, tokens: int) -> None:
+        req = lease.req
+        try:
+            reply = await self.admission.run("SETTLE", lease.member, lease.fence, tokens, req.tokens_per_minute,
+                                             req.weight)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("lease_settle_failed", member=lease.member, error=repr(exc), retry="heartbeat loop")
+            self._pending[lease.member] = (lease, tokens, time.monotonic() + self.admission.settings.lease_ttl)
+            metrics.LEASE_RELEASE_RETRIES.inc()
+            self.keep_alive()
+            return
+        self._pending.pop(lease.member, None)
+        if int(reply[0]) == 0:
+            log.warning("lease_settle_refused", member=lease.member, why="expired or fenced off")
+        self.notices(reply[1:])
+
+    # ----------------------------------------------------------------------------- heartbeats
+    def keep_alive(self) -> None:
+        """A request was queued or granted: make sure the heartbeat loop runs."""
+        self._beat.ensure(self._run)
+
+    async def _run(self) -> None:
+        settings = self.admission.settings
+        while self.leases or self.waiting or self._pending:
+            await asyncio.sleep(settings.queue_poll if self.waiting else settings.heartbeat)
+            await self.tick()
+
+    async def tick(self) -> None:
+        """One round: retry failed settlements, then extend / check everything held, in one call."""
+        now = time.monotonic()
+        for member, (lease, tokens, give_up) in list(self._pending.items()):
+            if now > give_up:
+                self._pending.pop(member, None)
+            else:
+                await self.settle(lease, tokens)
+        if not self.leases and not self.waiting:
+            return
+        args: list[Any] = [len(self.leases)]
+        for lease in self.leases.values():
+            r = lease.req
+            args += [lease.member, lease.fence, lease.cls, r.cost, r.max_in_flight, r.max_queued,
+                     r.tokens_per_minute, r.weight]
+        waiters = list(self.waiting.values())
+        args.append(len(waiters))
+        for w in waiters:
+            r = w.req
+            args += [w.member, w.nonce, w.cls, r.cost, 0, r.max_in_flight, r.max_queued, r.tokens_per_minute,
+                     r.weight]
+        try:
+            reply = await self.admission.run("BEAT", *args)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:  # the next tick tries again
+            log.warning("admission_heartbeat_failed", leases=len(self.leases), queued=len(waiters), error=repr(exc))
+            return
+        self._depths(reply)
+        rest = reply[len(self.admission.classes):]
+        grants: list[Any] = []
+        for i in range(0, len(rest) - 2, 3):
+            kind, member, value = _s(rest[i]), _s(rest[i + 1]), rest[i + 2]
+            if kind == "lost":
+                log.warning("lease_lost", member=member)
+            elif kind == "pos":
+                if member in self.waiting:
+                    self.waiting[member].moved(int(value))
+            elif kind == "gone":
+                self.notice(member, "-1", _s(value))
+            else:
+                grants += [kind, member, value]
+        self.notices(grants)
+
+    def _depths(self, reply: list[Any]) -> None:
+        for c, n in zip(self.admission.classes, reply, strict=False):
+            metrics.QUEUE_DEPTH.labels(c.name).set(int(n))
+
+    # --------------------------------------------------------------------- listener and reaper
+    async def _listen(self) -> None:
+        adm = self.admission
+        while True:
+            pubsub = adm.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                async with asyncio.timeout(adm.settings.op_timeout):
+                    await pubsub.subscribe(adm.channel)
+                self.listening.set()
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        member, fence, why = _s(message["data"]).split("\n")
+                        self.notice(member, fence, why)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():   # a cancel that redis-py's own wait swallowed
+                    raise asyncio.CancelledError from exc
+                self.listening.clear()
+                log.warning("admission_listener_failed", error=repr(exc))
+                await asyncio.sleep(min(1.0, adm.settings.op_timeout))
+            finally:
+                try:
+                    await asyncio.shield(pubsub.aclose())
+                except Exception:  # noqa: BLE001 - a dead connection
+                    pass
+
+    async def _reap(self) -> None:
+        interval = self.admission.settings.reap_interval
+        while True:
+            await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+            try:
+                reply = await self.admission.run("REAP")
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                log.debug("admission_reap_failed", error=repr(exc))
+                continue
+            self._depths(reply)
+            self.notices(reply[len(self.admission.classes):])
+
+    async def close(self) -> None:
+        await self._beat.close()
+        await self._listener.close()
+        await self._reaper.close()

@@ -1,0 +1,143 @@
+"""The router's admission section: where the queue lives, its classes, and how it is kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import Field, field_validator, model_validator
+
+from services.config import MaskedUrl, Section, conflict, flag
+
+_PRIORITY_NAMES = {"low": 1, "normal": 2, "high": 3}
+
+
+@dataclass(frozen=True)
+class QueueClass:
+    name: str
+    min_share: float      # of recently granted tokens, while backlogged (0 = strict priority only)
+    max_queued: int       # requests of this class waiting, pool-wide
+
+
+class AdmissionSettings(Section):
+    """Admission: one Redis-backed queue per pool, shared by every router replica."""
+
+    redis_url: MaskedUrl = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss://, "
+                                 "unix://); a password in it is never logged")
+    pool: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                      description="admission pool name (the Redis keys' hash tag: one Cluster slot per pool)")
+    lease_ttl: float = Field(15.0, gt=0, le=3600, description="seconds a lease (or a queued request) lives "
+                             "without its router's heartbeat: a dead router's capacity returns after this")
+    heartbeat_interval: float | None = Field(None, gt=0, json_schema_extra=flag("lease_heartbeat"),
+                                             description="seconds between heartbeats of the leases (unset = a "
+                                                         "third of --lease-ttl); one call for all of a process")
+    fail_open: bool = Field(False, description="when Redis is unreachable, admit on this process's own limits "
+                            "(tenant max_in_flight, pool capacity) instead of refusing with REDIS_UNAVAILABLE")
+    op_timeout: float = Field(2.0, gt=0, le=60, description="seconds one Redis operation may take (time the "
+                              "router's own event loop was stalled is not counted)",
+                              json_schema_extra=flag("redis_timeout"))
+    max_connections: int = Field(8, ge=2, le=256, json_schema_extra=flag("redis_max_connections"),
+                                 description="Redis connections per router process (one bounded pool; "
+                                             "operations wait for a free one)")
+    queue_classes: str = Field(
+        "interactive:0:4096,standard:0.1:4096,batch:0.05:4096",
+        description="priority classes, highest first, as name:min_share:max_queued. Strict priority, except "
+                    "that a backlogged class below min_share of the recently granted tokens goes first (so "
+                    "it is slowed, never starved); max_queued bounds the class's queue, pool-wide")
+    priority_classes: str = Field("high=interactive,normal=standard,low=batch",
+                                  description="the class of each request priority (low, normal, high)")
+    default_max_queued: int = Field(256, ge=0, le=1_000_000, description="requests a tenant may have queued "
+                                    "when its tenants-file entry sets no max_queued")
+    max_queue_wait: float = Field(60.0, gt=0, le=3600, description="longest estimated wait (queue or token "
+                                  "budget) a request is queued for; beyond it, or beyond its deadline, it is "
+                                  "refused at once with a retry-after")
+    pool_capacity: int = Field(0, ge=0, le=1_000_000, description="requests the engine pool runs at once "
+                               "(0 = from the engines' reports: each serving replica's batch size)")
+    capacity_factor: float = Field(1.0, gt=0, le=16, description="dispatch up to this many times the engines' "
+                                   "reported batch sizes (above 1, a small queue forms inside each engine)")
+    kv_high_water: float = Field(0.95, gt=0, le=1, description="a replica whose KV cache is this full takes "
+                                 "no more than it runs now")
+    unknown_replica_capacity: int = Field(32, ge=1, le=100_000, description="batch size assumed for a serving "
+                                          "replica that has not reported its load yet")
+    reap_interval: float = Field(0.25, gt=0, le=60, description="seconds between a router's housekeeping calls "
+                                 "(expired leases and deadlines, token budgets that refilled)")
+    queue_poll: float = Field(1.0, gt=0, le=60, description="seconds between position updates (and keep-alives) "
+                              "of this router's queued requests")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _scheme(cls, url: str) -> str:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return url
+
+    @field_validator("queue_classes")
+    @classmethod
+    def _classes(cls, value: str) -> str:
+        _parse_classes(value)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AdmissionSettings:
+        if self.heartbeat_interval is not None and self.heartbeat_interval >= self.lease_ttl:
+            raise conflict("the lease heartbeat must be shorter than the lease TTL", "heartbeat_interval",
+                           "lease_ttl")
+        if self.queue_poll >= self.lease_ttl:
+            raise conflict("queued requests' keep-alive (--queue-poll) must be shorter than the lease TTL",
+                           "queue_poll", "lease_ttl")
+        names = {c.name for c in _parse_classes(self.queue_classes)}
+        mapping = _parse_mapping(self.priority_classes)
+        unknown = sorted(set(mapping.values()) - names)
+        if unknown:
+            raise conflict(f"priority_classes names classes not in queue_classes: {', '.join(unknown)}",
+                           "priority_classes", "queue_classes")
+        return self
+
+    @property
+    def heartbeat(self) -> float:
+        return self.heartbeat_interval if self.heartbeat_interval is not None else self.lease_ttl / 3
+
+    def class_table(self) -> list[QueueClass]:
+        return _parse_classes(self.queue_classes)
+
+    def class_for(self, priority: int) -> str:
+        """The class of a resolved priority (1 low, 2 normal, 3 high)."""
+        mapping = _parse_mapping(self.priority_classes)
+        return mapping[{v: k for k, v in _PRIORITY_NAMES.items()}.get(priority, "normal")]
+
+
+def _parse_classes(value: str) -> list[QueueClass]:
+    out: list[QueueClass] = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        bits = part.split(":")
+        if len(bits) != 3:
+            raise ValueError(f"{part!r} is not name:min_share:max_queued")
+        name, share, maxq = bits
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"class name {name!r} must be letters, digits, '-' or '_'")
+        try:
+            min_share, max_queued = float(share), int(maxq)
+        except ValueError:
+            raise ValueError(f"{part!r}: min_share must be a number and max_queued an integer") from None
+        if not 0 <= min_share < 1 or not 0 <= max_queued <= 10_000_000:
+            raise ValueError(f"{part!r}: min_share must be in [0, 1) and max_queued in [0, 10000000]")
+        out.append(QueueClass(name, min_share, max_queued))
+    if not out:
+        raise ValueError("at least one class is needed")
+    if len({c.name for c in out}) != len(out):
+        raise ValueError("class names must be unique")
+    if sum(c.min_share for c in out[1:]) >= 1:
+        raise ValueError("the lower classes' min_share must sum to less than 1")
+    return out
+
+
+def _parse_mapping(value: str) -> dict[str, str]:
+    mapping: dict[str, str] = {}
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        prio, _, name = part.partition("=")
+        if prio not in _PRIORITY_NAMES or not name:
+            raise ValueError(f"{part!r} is not low|normal|high=CLASS")
+        mapping[prio] = name
+    missing = sorted(set(_PRIORITY_NAMES) - set(mapping))
+    if missing:
+        raise ValueError(f"priority_classes needs a class for {', '.join(missing)}")
+    return mapping

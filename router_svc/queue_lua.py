@@ -1,0 +1,492 @@
+"""The admission queue's Lua: every operation is one atomic script over one pool's keys.
+
+Layout (prefix ``tq:{pool}:``, one hash tag, so one Redis Cluster slot; KEYS[1] is the pool's
+``meta`` key, which routes the call to that slot, and every other key is derived from it)::
+
+    r:<m>          HASH  a request: st (q queued | l leased | x lease expired | s settled | d dropped:
+                         the last three are tombstones that expire), t tenant, c class,
+                         cost (estimated tokens), S virtual start tag, seq, dl deadline ms (0 = none),
+                         o owner router, n the owner's nonce, f fence, tg granted at
+    q:<c>:<T>      ZSET  tenant T's queued requests of class c, by arrival seq (FIFO)
+    cq:<c>         ZSET  every queued request of class c, by seq (its depth; positions)
+    ready:<c>      ZSET  tenants with a request of class c that may be dispatched, by head's S
+    qexp           ZSET  queued requests by min(deadline, owner keep-alive)
+    leases         ZSET  every lease, by expiry (ZCARD = the pool's in-flight count)
+    tl:<T>         ZSET  tenant T's leases, by expiry (ZCARD = its in-flight count)
+    tc:<T>         HASH  tenant T's limits as its routers last sent them: mi mq tpm w
+    park           ZSET  tenants waiting for their token budget, by when it allows their head
+    tat:<T>        STR   tenant T's GCRA theoretical arrival time (ms), tokens per minute
+    fin:<c>        HASH  tenant -> virtual finish tag in class c;  vt:<c> STR the class's virtual time
+    srv            HASH  tokens granted per class, decayed (half-life 10 s), ts = last decay
+    qcost          HASH  tenant -> estimated tokens queued
+    stats          HASH  svc (EWMA lease seconds x1000), n (samples)
+    cap            STR   the pool's capacity in requests, as the last caller saw its engines
+    seq, fence     STR   counters
+    g:<router>     pub/sub channel: grants and removals for the requests a router holds
+
+Fair queuing is start-time fair queuing over estimated tokens (prompt + max_tokens) per class:
+a request of tenant T gets S = max(V, F_T), F_T = S + cost / weight; the ready tenant with the
+lowest head S is served and V becomes that S. An idle tenant's F_T falls behind V, so it banks
+no credit; settling a request corrects F_T (and the token budget) by actual - estimated tokens.
+Between classes: strict priority, except that a backlogged class below its minimum share of the
+recently granted tokens goes first. A lease counts until settled or expired; any script reaps
+what expired before it acts, then dispatches while the pool has room.
+
+ARGV of every script: [1] classes "name,min_share,max_queued;..." highest priority first,
+[2] the caller's view of the pool capacity ("" = the stored one), [3] the caller's router id,
+[4] lease / keep-alive TTL in ms; the operation's own arguments follow.
+Replies never carry floats (Redis truncates them); times are integer milliseconds.
+
+Each script starts with a Redis 7 shebang: ENQUEUE is refused before it runs when Redis is at
+maxmemory (a clean OutOfMemoryError, nothing half-written); the others carry `allow-oom`, since
+settling, cancelling and expiring free memory and must go on.
+"""
+
+PRELUDE = r"""
+local P = string.sub(KEYS[1], 1, -5)
+local tm = redis.call('TIME')
+local NOW = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
+local CLASSES, SHARE, CMAXQ, RANK = {}, {}, {}, {}
+for name, share, maxq in string.gmatch(ARGV[1], '([^,;]+),([^,;]+),([^,;]+)') do
+  CLASSES[#CLASSES + 1] = name
+  SHARE[name] = tonumber(share)
+  CMAXQ[name] = tonumber(maxq)
+  RANK[name] = #CLASSES
+end
+local ME, TTL = ARGV[3], tonumber(ARGV[4])
+local CAP
+if ARGV[2] ~= '' then
+  CAP = tonumber(ARGV[2])
+  redis.call('SET', P .. 'cap', ARGV[2])
+else
+  CAP = tonumber(redis.call('GET', P .. 'cap') or '1000000000')   -- never told: no bound of its own
+end
+local GRANTS = {}      -- {member, fence} of grants owned by the caller (others get a PUBLISH)
+
+local function rk(m) return P .. 'r:' .. m end
+local function tenant_of(m) return string.match(m, '^([^:]*):') end
+
+local function notify(owner, m, fence, why)
+  if owner == ME then
+    GRANTS[#GRANTS + 1] = m
+    GRANTS[#GRANTS + 1] = fence
+    GRANTS[#GRANTS + 1] = why
+  elseif owner then
+    redis.call('PUBLISH', P .. 'g:' .. owner, m .. '\n' .. fence .. '\n' .. why)
+  end
+end
+
+local function head(c, T)
+  local h = redis.call('ZRANGE', P .. 'q:' .. c .. ':' .. T, 0, 0)
+  if #h == 0 then return nil, nil end
+  return tonumber(redis.call('HGET', rk(h[1]), 'S')), h[1]
+end
+
+local function refresh(c, T)      -- T's place among class c's ready tenants
+  local s = head(c, T)
+  if s and not redis.call('ZSCORE', P .. 'park', T) then
+    redis.call('ZADD', P .. 'ready:' .. c, s, T)
+  else
+    redis.call('ZREM', P .. 'ready:' .. c, T)
+  end
+end
+
+local function readd(T)
+  for _, c in ipairs(CLASSES) do refresh(c, T) end
+end
+
+local function unready(T)
+  for _, c in ipairs(CLASSES) do redis.call('ZREM', P .. 'ready:' .. c, T) end
+end
+
+local function tenant_queued(T)
+  local n = 0
+  for _, c in ipairs(CLASSES) do n = n + redis.call('ZCARD', P .. 'q:' .. c .. ':' .. T) end
+  return n
+end
+
+local function position(m, c)
+  local n = redis.call('ZRANK', P .. 'cq:' .. c, m)
+  if not n then return 0 end
+  for _, cc in ipairs(CLASSES) do
+    if RANK[cc] < RANK[c] then n = n + redis.call('ZCARD', P .. 'cq:' .. cc) end
+  end
+  return n + 1
+end
+
+local function ahead(c)           -- queued requests of class c and above
+  local n = 0
+  for _, cc in ipairs(CLASSES) do
+    if RANK[cc] <= RANK[c] then n = n + redis.call('ZCARD', P .. 'cq:' .. cc) end
+  end
+  return n
+end
+
+local function est_wait(n)        -- ms for n requests ahead to be served, -1 = no estimate yet
+  local st = redis.call('HMGET', P .. 'stats', 'svc', 'n')
+  if not st[2] or tonumber(st[2]) < 10 or CAP <= 0 then return -1 end
+  return math.floor(n * tonumber(st[1]) / CAP)
+end
+
+local function decay()
+  local ts = tonumber(redis.call('HGET', P .. 'srv', 'ts') or NOW)
+  local f = 0.5 ^ ((NOW - ts) / 10000)
+  local vals = {}
+  for _, c in ipairs(CLASSES) do
+    vals[c] = tonumber(redis.call('HGET', P .. 'srv', c) or '0') * f
+    redis.call('HSET', P .. 'srv', c, vals[c])
+  end
+  redis.call('HSET', P .. 'srv', 'ts', NOW)
+  return vals
+end
+
+local function credit(c, tokens)  -- tokens granted (or corrected) in class c
+  local v = tonumber(redis.call('HGET', P .. 'srv', c) or '0') + tokens
+  redis.call('HSET', P .. 'srv', c, math.max(v, 0))
+end
+
+local function limits(T)
+  local cfg = redis.call('HMGET', P .. 'tc:' .. T, 'mi', 'mq', 'tpm', 'w')
+  return tonumber(cfg[1] or '1000000000'), tonumber(cfg[2] or '0'), tonumber(cfg[3] or '0'),
+         tonumber(cfg[4] or '1')
+end
+
+-- GCRA over tokens: ms until `cost` more tokens fit the tenant's per-minute budget, and the new TAT.
+local function rate_wait(T, tpm, cost)
+  if tpm <= 0 then return 0, 0 end
+  local tat = tonumber(redis.call('GET', P .. 'tat:' .. T) or '0')
+  local new = math.max(tat, NOW) + cost * 60000 / tpm
+  return math.max(0, new - 60000 - NOW), new
+end
+
+local function charge(T, tpm, tokens)   -- correct the budget by tokens (may be negative)
+  if tpm <= 0 or tokens == 0 then return end
+  local key = P .. 'tat:' .. T
+  local tat = redis.call('GET', key)
+  if tat then redis.call('SET', key, tonumber(tat) + tokens * 60000 / tpm, 'PX', 120000) end
+end
+
+local function unqueue(m, c, T)
+  redis.call('ZREM', P .. 'q:' .. c .. ':' .. T, m)
+  redis.call('ZREM', P .. 'cq:' .. c, m)
+  redis.call('ZREM', P .. 'qexp', m)
+  refresh(c, T)
+end
+
+local function grant(m, c, T, s)
+  local rec = redis.call('HMGET', rk(m), 'cost', 'o')
+  local cost = tonumber(rec[1])
+  unqueue(m, c, T)
+  local fence = redis.call('INCR', P .. 'fence')
+  redis.call('HSET', rk(m), 'st', 'l', 'f', fence, 'tg', NOW)
+  redis.call('ZADD', P .. 'leases', NOW + TTL, m)
+  redis.call('ZADD', P .. 'tl:' .. T, NOW + TTL, m)
+  redis.call('SET', P .. 'vt:' .. c, s)
+  redis.call('HINCRBY', P .. 'qcost', T, -cost)
+  credit(c, cost)
+  notify(rec[2], m, fence, 'grant')
+end
+
+local function choose()
+  local backlog = {}
+  for _, c in ipairs(CLASSES) do
+    if redis.call('ZCARD', P .. 'ready:' .. c) > 0 then backlog[#backlog + 1] = c end
+  end
+  if #backlog <= 1 then return backlog[1] end
+  local served = decay()
+  local total = 0
+  for _, c in ipairs(CLASSES) do total = total + served[c] end
+  for i = #backlog, 2, -1 do     -- the lowest class first: one below its minimum share goes first
+    local c = backlog[i]
+    if SHARE[c] > 0 and served[c] < SHARE[c] * total then return c end
+  end
+  return backlog[1]
+end
+
+local function dispatch()
+  local inflight = redis.call('ZCARD', P .. 'leases')
+  local guard = 0
+  while inflight < CAP and guard < 256 do
+    guard = guard + 1
+    local c = choose()
+    if not c then break end
+    local T = redis.call('ZRANGE', P .. 'ready:' .. c, 0, 0)[1]
+    local s, m = head(c, T)
+    if not m then
+      redis.call('ZREM', P .. 'ready:' .. c, T)
+    else
+      local mi, _, tpm = limits(T)
+      if redis.call('ZCARD', P .. 'tl:' .. T) >= mi then
+        unready(T)                -- back when one of its leases ends
+      else
+        local wait, new = rate_wait(T, tpm, tonumber(redis.call('HGET', rk(m), 'cost')))
+        if wait > 0 then
+          redis.call('ZADD', P .. 'park', NOW + wait, T)
+          unready(T)
+        else
+          if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, new, 'PX', 120000) end
+          grant(m, c, T, s)
+          inflight = inflight + 1
+        end
+      end
+    end
+  end
+end
+
+local function end_lease(m, T)
+  redis.call('ZREM', P .. 'leases', m)
+  redis.call('ZREM', P .. 'tl:' .. T, m)
+  readd(T)
+end
+
+-- An ended request's record stays a while as a tombstone (d dropped, s settled), so that a
+-- heartbeat already on its way with it never mistakes it for one Redis lost and restores it.
+local function tombstone(m, st)
+  redis.call('DEL', rk(m))
+  redis.call('HSET', rk(m), 'st', st)
+  redis.call('PEXPIRE', rk(m), TTL * 2)
+end
+
+local function drop_queued(m, why)
+  local rec = redis.call('HMGET', rk(m), 'c', 'o', 'cost')
+  local T = tenant_of(m)
+  if rec[1] then
+    unqueue(m, rec[1], T)
+    redis.call('HINCRBY', P .. 'qcost', T, -tonumber(rec[3]))
+    notify(rec[2], m, -1, why)
+  else
+    redis.call('ZREM', P .. 'qexp', m)
+  end
+  tombstone(m, 'd')
+end
+
+local function housekeeping()
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'leases', '-inf', NOW, 'LIMIT', 0, 128)) do
+    end_lease(m, tenant_of(m))   -- its owner stopped heartbeating: the capacity returns
+    if redis.call('EXISTS', rk(m)) == 1 then
+      redis.call('HSET', rk(m), 'st', 'x')
+      redis.call('PEXPIRE', rk(m), TTL * 4)
+    end
+  end
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'qexp', '-inf', NOW, 'LIMIT', 0, 128)) do
+    local dl = tonumber(redis.call('HGET', rk(m), 'dl') or '0')
+    if dl > 0 and dl <= NOW then drop_queued(m, 'deadline') else drop_queued(m, 'lost') end
+  end
+  for _, T in ipairs(redis.call('ZRANGEBYSCORE', P .. 'park', '-inf', NOW, 'LIMIT', 0, 128)) do
+    redis.call('ZREM', P .. 'park', T)
+    readd(T)
+  end
+end
+
+-- Queue request m (the caller checked it is new). Its keep-alive runs from now.
+local function insert(m, T, c, cost, dl, owner, nonce, w)
+  local seq = redis.call('INCR', P .. 'seq')
+  local v = tonumber(redis.call('GET', P .. 'vt:' .. c) or '0')
+  local s = math.max(v, tonumber(redis.call('HGET', P .. 'fin:' .. c, T) or '0'))
+  redis.call('HSET', P .. 'fin:' .. c, T, s + cost / w)
+  redis.call('HSET', rk(m), 'st', 'q', 't', T, 'c', c, 'cost', cost, 'S', s, 'seq', seq, 'dl', dl,
+             'o', owner, 'n', nonce, 'f', 0, 'tg', 0)
+  redis.call('PERSIST', rk(m))
+  redis.call('ZADD', P .. 'q:' .. c .. ':' .. T, seq, m)
+  redis.call('ZADD', P .. 'cq:' .. c, seq, m)
+  local exp = NOW + TTL
+  if dl > 0 and dl < exp then exp = dl end
+  redis.call('ZADD', P .. 'qexp', exp, m)
+  redis.call('HINCRBY', P .. 'qcost', T, cost)
+  refresh(c, T)
+end
+
+local function set_limits(T, mi, mq, tpm, w)
+  redis.call('HSET', P .. 'tc:' .. T, 'mi', mi, 'mq', mq, 'tpm', tpm, 'w', w)
+end
+"""
+
+# ARGV[5..]: member, class, cost, deadline_ms (remaining; 0 = none), nonce, max_in_flight,
+# max_queued, tokens_per_minute, weight, max_wait_ms.
+# Reply: {1, fence, 0, grants...} granted | {2, position, est_wait_ms, grants...} queued |
+#        {0, reason, retry_after_ms, grants...} refused.
+ENQUEUE = "#!lua\n" + PRELUDE + r"""
+housekeeping()
+local m, c, cost = ARGV[5], ARGV[6], tonumber(ARGV[7])
+local remaining, nonce = tonumber(ARGV[8]), ARGV[9]
+local mi, mq, tpm, w, max_wait = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
+                                 tonumber(ARGV[13]), tonumber(ARGV[14])
+local T = tenant_of(m)
+local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'c')
+if rec[1] == 'q' or rec[1] == 'l' then        -- a retried submit: the same answer, nothing counted twice
+  if rec[2] ~= nonce then return {0, 'DUPLICATE_REQUEST_ID', 0} end
+  if rec[1] == 'l' then return {1, tonumber(rec[3]), 0} end
+  return {2, position(m, rec[4]), est_wait(ahead(rec[4]))}
+end
+if not CMAXQ[c] then return {0, 'UNKNOWN_CLASS', 0} end
+set_limits(T, mi, mq, tpm, w)
+local budget_limit = remaining
+if budget_limit <= 0 or budget_limit > max_wait then budget_limit = max_wait end
+if tpm > 0 then
+  if cost > tpm then return {0, 'TOKEN_BUDGET_TOO_SMALL', 0} end
+  local queued_cost = tonumber(redis.call('HGET', P .. 'qcost', T) or '0')
+  local wait = rate_wait(T, tpm, cost + math.max(queued_cost, 0))
+  if wait > budget_limit then return {0, 'TOKEN_RATE_LIMITED', math.ceil(wait)} end
+end
+local est = est_wait(ahead(c))
+if redis.call('ZCARD', P .. 'cq:' .. c) >= CMAXQ[c] then
+  return {0, 'CLASS_QUEUE_FULL', math.max(est, 1000)}
+end
+if est > budget_limit and ahead(c) > 0 then return {0, 'QUEUE_WAIT_EXCEEDS_DEADLINE', est} end
+local queued_before = tenant_queued(T)
+redis.call('DEL', rk(m))
+local dl = 0
+if remaining > 0 then dl = NOW + remaining end
+insert(m, T, c, cost, dl, ME, nonce, w)
+dispatch()
+local st = redis.call('HMGET', rk(m), 'st', 'f')
+local reply
+if st[1] == 'l' then
+  reply = {1, tonumber(st[2]), 0}
+  -- the caller learns its own grant from this reply
+  for i = 1, #GRANTS, 3 do
+    if GRANTS[i] == m then table.remove(GRANTS, i); table.remove(GRANTS, i); table.remove(GRANTS, i); break end
+  end
+elseif queued_before >= mq then                   -- it may not wait: refused, and nothing is left behind
+  redis.call('HSET', rk(m), 'o', '')
+  drop_queued(m, 'refused')
+  if mq == 0 and redis.call('ZCARD', P .. 'tl:' .. T) >= mi then
+    return {0, 'TENANT_CONCURRENCY_LIMIT', math.max(est, 100)}
+  end
+  return {0, 'TENANT_QUEUE_FULL', math.max(est, 100)}
+else
+  reply = {2, position(m, c), est}
+end
+for _, g in ipairs(GRANTS) do reply[#reply + 1] = g end
+return reply
+"""
+
+# ARGV[5..]: member, fence, actual tokens, tokens_per_minute, weight. Settles one lease.
+# Reply: {1 settled | 2 its lease had expired (charged, capacity already returned) | 0 stale/unknown,
+#         grants...}
+SETTLE = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+housekeeping()
+local m, fence, actual = ARGV[5], ARGV[6], tonumber(ARGV[7])
+local tpm, w = tonumber(ARGV[8]), tonumber(ARGV[9])
+local rec = redis.call('HMGET', rk(m), 'st', 'f', 'c', 'cost', 'tg')
+local T = tenant_of(m)
+local status = 0
+if rec[1] and rec[2] == fence and (rec[1] == 'l' or rec[1] == 'x') then
+  local delta = actual - tonumber(rec[4])
+  local fin = tonumber(redis.call('HGET', P .. 'fin:' .. rec[3], T) or '0')
+  redis.call('HSET', P .. 'fin:' .. rec[3], T, fin + delta / w)
+  charge(T, tpm, delta)
+  credit(rec[3], delta)
+  if rec[1] == 'l' then
+    local st = redis.call('HMGET', P .. 'stats', 'svc', 'n')
+    local svc = tonumber(st[1] or '0')
+    local n = tonumber(st[2] or '0')
+    local took = NOW - tonumber(rec[5])
+    if n == 0 then svc = took else svc = svc * 0.9 + took * 0.1 end
+    redis.call('HSET', P .. 'stats', 'svc', math.floor(svc), 'n', n + 1)
+    end_lease(m, T)
+    status = 1
+  else
+    status = 2
+  end
+  tombstone(m, 's')
+end
+dispatch()
+local reply = {status}
+for _, g in ipairs(GRANTS) do reply[#reply + 1] = g end
+return reply
+"""
+
+# ARGV[5..]: member, nonce. Reply: {1 removed from the queue | 2 leased (fence follows: settle it) |
+#                                   0 unknown, [fence], grants...}
+CANCEL = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+housekeeping()
+local m, nonce = ARGV[5], ARGV[6]
+local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'o')
+local reply
+if rec[1] == 'q' and rec[2] == nonce then
+  redis.call('HSET', rk(m), 'o', '')          -- its owner knows
+  drop_queued(m, 'cancelled')
+  reply = {1, 0}
+elseif rec[1] == 'l' and rec[2] == nonce then
+  reply = {2, tonumber(rec[3])}
+else
+  reply = {0, 0}
+end
+dispatch()
+for _, g in ipairs(GRANTS) do reply[#reply + 1] = g end
+return reply
+"""
+
+# The caller's whole book in one call. ARGV[5] = number of leases, then per lease: member, fence,
+# class, cost, max_in_flight, max_queued, tokens_per_minute, weight; then the number of queued,
+# then per queued: member, nonce, class, cost, deadline_ms (absolute in the caller's view of
+# Redis time, 0 = none), max_in_flight, max_queued, tokens_per_minute, weight.
+# A record gone (Redis lost its data) is restored: a lease as held, a queued request queued anew.
+# Reply: {depth per class..., then per item: kind, member, value}: kind 'lost' (a lease that
+# expired or was fenced off), 'pos' (queued; value = position), 'gone' (value = why),
+# followed by the grants (member, fence, why).
+BEAT = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+housekeeping()
+local out = {}
+for _, c in ipairs(CLASSES) do out[#out + 1] = redis.call('ZCARD', P .. 'cq:' .. c) end
+local i = 6
+for _ = 1, tonumber(ARGV[5]) do
+  local m, fence, c, cost = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
+  local T = tenant_of(m)
+  local rec = redis.call('HMGET', rk(m), 'st', 'f')
+  if rec[1] == 'l' and rec[2] == fence then
+    redis.call('ZADD', P .. 'leases', 'XX', NOW + TTL, m)
+    redis.call('ZADD', P .. 'tl:' .. T, 'XX', NOW + TTL, m)
+  elseif not rec[1] then                       -- Redis lost it: the request still runs, count it
+    set_limits(T, ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7])
+    redis.call('HSET', rk(m), 'st', 'l', 't', T, 'c', c, 'cost', cost, 'S', 0, 'seq', 0, 'dl', 0,
+               'o', ME, 'n', '', 'f', fence, 'tg', NOW)
+    redis.call('ZADD', P .. 'leases', NOW + TTL, m)
+    redis.call('ZADD', P .. 'tl:' .. T, NOW + TTL, m)
+    if tonumber(redis.call('GET', P .. 'fence') or '0') < tonumber(fence) then
+      redis.call('SET', P .. 'fence', fence)
+    end
+  else
+    out[#out + 1] = 'lost'; out[#out + 1] = m; out[#out + 1] = 0
+  end
+  i = i + 8
+end
+local nq = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, nq do
+  local m, nonce, c, cost, dl = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+  local T = tenant_of(m)
+  local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'dl')
+  if rec[1] == 'q' and rec[2] == nonce then
+    local exp = NOW + TTL
+    local rdl = tonumber(rec[4])
+    if rdl > 0 and rdl < exp then exp = rdl end
+    redis.call('ZADD', P .. 'qexp', 'XX', exp, m)
+    out[#out + 1] = 'pos'; out[#out + 1] = m; out[#out + 1] = position(m, c)
+  elseif rec[1] == 'l' and rec[2] == nonce then   -- a grant whose message this router missed
+    notify(ME, m, tonumber(rec[3]), 'grant')
+  elseif not rec[1] then                          -- Redis lost it: queued again, at the back
+    set_limits(T, ARGV[i + 5], ARGV[i + 6], ARGV[i + 7], ARGV[i + 8])
+    insert(m, T, c, cost, dl, ME, nonce, tonumber(ARGV[i + 8]))
+    out[#out + 1] = 'pos'; out[#out + 1] = m; out[#out + 1] = position(m, c)
+  else
+    out[#out + 1] = 'gone'; out[#out + 1] = m; out[#out + 1] = 'lost'
+  end
+  i = i + 9
+end
+dispatch()
+for _, g in ipairs(GRANTS) do out[#out + 1] = g end
+return out
+"""
+
+# Housekeeping and dispatch only (a router runs it every --reap-interval: expired leases and
+# deadlines, budgets that refilled). Reply: {depth per class..., grants...}.
+REAP = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+housekeeping()
+dispatch()
+local out = {}
+for _, c in ipairs(CLASSES) do out[#out + 1] = redis.call('ZCARD', P .. 'cq:' .. c) end
+for _, g in ipairs(GRANTS) do out[#out + 1] = g end
+return out
+"""
