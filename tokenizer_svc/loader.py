@@ -6,6 +6,14 @@ Reads `tokenizer.json` (required) plus, when present, `tokenizer_config.json` (s
 `additional_chat_templates/*.jinja` (transformers' newer layout), `generation_config.json`
 (EOS ids, possibly a list) and `config.json` (context length, EOS/BOS ids). The result is a
 `LoadedTokenizer`: the `tokenizers.Tokenizer` plus everything Info and the chat template need.
+
+Stop ids (`eos_token_ids`) come from the model's own files: generation_config's `eos_token_id`
+(a list for chat models: Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`), the tokenizer's
+`eos_token`, config.json's, and the end-of-turn token of the chat template, found by rendering
+one assistant turn and reading the special token the template writes right after its content
+(`<end_of_turn>`, `<|im_end|>`, `<|eot_id|>`, `</s>`). The last matters for a directory whose
+generation_config predates the template (a base model given a chat template): without it a chat
+reply runs on past its turn into an invented next one ("user ...") until max_tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
+from services.errors import TokenrelayError
 from services.logging import get_logger
 
 log = get_logger(__name__)
@@ -133,6 +142,9 @@ def load_tokenizer(files: TokenizerFiles) -> LoadedTokenizer:
                   + _as_ids(_model_value(model_config, "eos_token_id")))
     special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     special_ids.update(i for attr in SPECIAL_TOKEN_ATTRIBUTES if (i := token_id(attr)) is not None)
+    chat_templates = _chat_templates(files, tok_config)
+    if "default" in chat_templates:
+        eos = _unique([*eos, *template_stop_ids(tok, special_tokens, chat_templates["default"])])
     raw = json.loads(tok.to_str())
     loaded = LoadedTokenizer(
         tokenizer=tok,
@@ -143,13 +155,42 @@ def load_tokenizer(files: TokenizerFiles) -> LoadedTokenizer:
         eos_token_ids=tuple(i for i in eos if 0 <= i < vocab_size),
         max_context=_max_context(model_config, tok_config),
         special_ids=frozenset(special_ids),
-        chat_templates=_chat_templates(files, tok_config),
+        chat_templates=chat_templates,
         byte_level=_mentions_type(raw.get("decoder"), "ByteLevel"),
     )
     log.info("tokenizer_loaded", name=loaded.name, vocab_size=vocab_size, eos=list(loaded.eos_token_ids),
              bos=loaded.bos_token_id, max_context=loaded.max_context,
              chat_templates=sorted(loaded.chat_templates))
     return loaded
+
+
+_TURN_MARKER = "tokenrelay-end-of-turn-probe"
+
+
+def template_stop_ids(tok: Tokenizer, special_tokens: Mapping[str, str], source: str) -> tuple[int, ...]:
+    """The id of the special token a chat template writes right after an assistant turn's content
+    (its end-of-turn), or () when it writes none or the template cannot render such a turn.
+
+    The template is rendered, not pattern-matched, so any turn format works: the text after the
+    assistant's content is matched against the tokenizer's special tokens, longest first."""
+    from tokenizer_svc.chat_template import ChatTemplate  # jinja2: only when there is a template
+
+    try:
+        rendered = ChatTemplate(source, "probe", special_tokens).render(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _TURN_MARKER}],
+            add_generation_prompt=False)
+    except (ValueError, TokenrelayError):  # it does not compile, or refuses this conversation
+        return ()
+    _, found, after = rendered.rpartition(_TURN_MARKER)
+    after = after.lstrip()
+    if not found or not after:
+        return ()
+    specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    specials.update({text: i for text in special_tokens.values() if (i := tok.token_to_id(text)) is not None})
+    for text in sorted(specials, key=len, reverse=True):
+        if text and after.startswith(text):
+            return (specials[text],)
+    return ()
 
 
 def _read_json(path: pathlib.Path | None) -> dict[str, Any]:

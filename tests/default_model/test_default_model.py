@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import shutil
 import stat
 import subprocess
@@ -357,3 +358,41 @@ def test_real_greedy_generation(loaded):
     with torch.no_grad():
         loss, loss_shuffled = (model(x, labels=x).loss.item() for x in (ids, shuffled))
     assert math.exp(loss) < 100 and loss_shuffled > loss + 2
+
+
+# ---------------------------------------------------------------- the child process that builds
+
+
+def _rss_bytes() -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_build_runs_in_a_child_that_reports_progress(tmp_path):
+    """Issue 14 item 8: no silent gap (a long step says it is still running) and the build's memory
+    is not kept by the caller (the launcher) after it."""
+    from tests.default_model import builders
+
+    logs: list[str] = []
+    before = _rss_bytes()
+    info = dm.build_in_child(tmp_path, logs.append, builder="tests.default_model.builders:chatty", heartbeat=0.1)
+    assert info["builder_pid"] != os.getpid() and info["ballast"] == builders.BALLAST_MB << 20
+    assert _rss_bytes() - before < (builders.BALLAST_MB << 20) // 3
+    # Before its first line the child is starting Python: the heartbeat names "the build".
+    started = logs.index("a silent step ...")
+    assert all(line.startswith("the build: still running") for line in logs[:started])
+    done = next(i for i, line in enumerate(logs) if line.startswith("a silent step: done in "))
+    assert sum(line.startswith("a silent step: still running") for line in logs[started:done]) >= 2
+    assert all(line.startswith("the build: still running") for line in logs[done + 1:])  # the child exiting
+    assert all((tmp_path / name).is_file() for name in dm.REQUIRED_FILES)
+    assert not (tmp_path / ".build-info.json").exists()
+
+
+def test_a_failing_child_build_says_why(tmp_path):
+    logs: list[str] = []
+    with pytest.raises(RuntimeError, match=r"(?s)exit status 1.*OSError: disk full"):
+        dm.build_in_child(tmp_path, logs.append, builder="tests.default_model.builders:failing")
+    assert logs == ["about to fail"]
