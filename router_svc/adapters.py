@@ -44,9 +44,11 @@ class EnginesAdapter:
         return int(self.pool.max_context)
 
     def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling,
-               eos_ids: list[int], cache_salt: str, trace_context: dict[str, str]) -> ChunkSource:
+               eos_ids: list[int], cache_salt: str, trace_context: dict[str, str], *,
+               timeout: float = 0.0, priority: int = 0) -> ChunkSource:
         replica = self._by_address[address]
-        return replica.submit(request_id, prompt, sampling, eos_ids, cache_salt, trace_context)  # type: ignore[no-any-return]
+        return replica.submit(request_id, prompt, sampling, eos_ids, cache_salt,  # type: ignore[no-any-return]
+                              trace_context, timeout=timeout, priority=priority)
 
     def abort(self, address: str, request_id: str) -> None:
         self._by_address[address].abort(request_id)

@@ -109,7 +109,8 @@ class EngineStage:
         watchdog = _Watchdog(self.progress_timeout)
         try:
             source = self.engines.submit(address, state.upstream_id, state.prompt_ids, state.inp.sampling, eos,
-                                         state.tenant, inject(trace.set_span_in_context(phase)))
+                                         state.tenant, inject(trace.set_span_in_context(phase)),
+                                         timeout=state.remaining(), priority=state.priority)
             while True:
                 chunk = await self._next(state, source, address, watchdog)
                 if prefilling and chunk.token_ids:

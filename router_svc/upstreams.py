@@ -240,7 +240,8 @@ class EngineReplica:
                                load.max_active, load.kv_used, load.kv_total)
 
     def submit(self, request_id: str, prompt: list[int], sampling: Sampling, eos_ids: list[int],
-               cache_salt: str, trace_context: dict[str, str]) -> Inbox[EngineChunk]:
+               cache_salt: str, trace_context: dict[str, str], *, timeout: float = 0.0,
+               priority: int = 0) -> Inbox[EngineChunk]:
         queue = self.mux.open(request_id)
         params = common_pb2.SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -249,7 +250,8 @@ class EngineReplica:
             params.seed = sampling.seed
         self.mux.post("submit", engine_pb2.EngineRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=params, eos_token_ids=eos_ids,
-            cache_salt=cache_salt, trace_context=trace_context))
+            cache_salt=cache_salt, trace_context=trace_context,
+            timeout_ms=max(1, int(timeout * 1000)) if timeout > 0 else 0, priority=priority))
         return queue
 
     def abort(self, request_id: str) -> None:
@@ -345,10 +347,12 @@ class EnginePool:
             raise Reason.NO_HEALTHY_REPLICA.error(f"no engine replica {address!r}") from None
 
     def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling, eos_ids: list[int],
-               cache_salt: str, trace_context: dict[str, str]) -> Inbox[EngineChunk]:
+               cache_salt: str, trace_context: dict[str, str], *, timeout: float = 0.0,
+               priority: int = 0) -> Inbox[EngineChunk]:
         """Submit on the replica at `address`; chunks arrive in the returned inbox (`get()` one,
         `get_ready()` every chunk ready now)."""
-        return self.replica(address).submit(request_id, prompt, sampling, eos_ids, cache_salt, trace_context)
+        return self.replica(address).submit(request_id, prompt, sampling, eos_ids, cache_salt, trace_context,
+                                            timeout=timeout, priority=priority)
 
     def abort(self, address: str, request_id: str) -> None:
         self.replica(address).abort(request_id)

@@ -70,7 +70,7 @@ if want torch && ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
 if want project; then
-  "$PY" -m pip install -q --disable-pip-version-check -e ".[hf,default-model,bench,dev]"
+  "$PY" -m pip install -q --disable-pip-version-check -e ".[hf,default-model,bench,dev,trtllm-grpc,triton]"
   # pyenv only exposes new console scripts (`tokenrelay`) after a rehash.
   if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
   if ! command -v tokenrelay >/dev/null 2>&1; then

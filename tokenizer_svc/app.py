@@ -8,6 +8,7 @@ seconds, then the encoder's and detokenizer's thread pools are closed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
@@ -19,7 +20,7 @@ from tokenizer_svc.chat_template import ChatTemplate, resolve_template
 from tokenizer_svc.config import TokenizerSettings
 from tokenizer_svc.detok_stream import Detokenizer
 from tokenizer_svc.encoder import Encoder, EncoderLimits
-from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
+from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer, template_stop_ids
 from tokenizer_svc.servicer import SERVICE_NAME, TokenizerServicer
 
 log = get_logger(__name__)
@@ -33,6 +34,11 @@ def load_domain(settings: TokenizerSettings) -> tuple[LoadedTokenizer, ChatTempl
     loaded = load_tokenizer(files)
     chosen = resolve_template(settings.chat_template, loaded.chat_templates)
     template = None if chosen is None else ChatTemplate(chosen[1], chosen[0], loaded.special_tokens)
+    if chosen is not None and chosen[0] != "default":
+        # An override's end-of-turn ends a reply too (the loader added the model's own template's).
+        extra = template_stop_ids(loaded.tokenizer, loaded.special_tokens, chosen[1])
+        ids = tuple(dict.fromkeys((*loaded.eos_token_ids, *(i for i in extra if 0 <= i < loaded.vocab_size))))
+        loaded = dataclasses.replace(loaded, eos_token_ids=ids)
     return loaded, template
 
 

@@ -172,3 +172,23 @@ async def test_chat_ends_at_the_end_of_input_and_a_raw_request_gets_the_default_
         assert events[-1].done.usage.completion_tokens == 256
     finally:
         assert stop_mesh(mesh) == 0
+
+
+async def test_up_serves_a_given_tenants_file_and_refuses_a_bad_one_before_starting(tmp_path, model_dir):
+    import hashlib
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants:\n  - name: a\n    api_key_sha256: nothex\n    max_in_flight: 2\n")
+    r = _up(model_dir, "--tenants-file", str(bad), "--port", "0", "--run-dir", str(tmp_path / "badrun"))
+    assert r.returncode == 2 and "api_key_sha256" in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
+    assert not (tmp_path / "badrun" / "logs").exists()            # nothing was started
+    good = tmp_path / "tenants.yaml"
+    key = "team-key-" + "k" * 20
+    good.write_text(f"tenants:\n  - name: team\n    api_key_sha256: {hashlib.sha256(key.encode()).hexdigest()}\n"
+                    "    max_in_flight: 2\n    max_queued: 0\n")
+    mesh = start_mesh(tmp_path, model_dir, "sim", "--tenants-file", str(good))
+    try:
+        assert mesh.state["api_key"] == ""                        # no key of the user's file is known to `up`
+        assert await _serves(mesh.address, key) == 4
+    finally:
+        assert stop_mesh(mesh) == 0, mesh.log.read_text()[-2000:]

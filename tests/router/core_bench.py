@@ -24,8 +24,8 @@ from tests.router.core_fakes import TENANT, FakeEngines, FakeReplica, core
 
 def _streaming(tokens: int) -> type[FakeEngines]:
     class Streaming(FakeEngines):
-        def submit(self, address: str, request_id: str, *args: Any) -> Any:
-            source = super().submit(address, request_id, *args)
+        def submit(self, address: str, request_id: str, *args: Any, **kw: Any) -> Any:
+            source = super().submit(address, request_id, *args, **kw)
 
             async def feed() -> None:
                 for i in range(tokens - 1):

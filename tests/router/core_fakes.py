@@ -96,6 +96,7 @@ class FakeReplica:
     serving: bool = True
     in_flight: int = 0
     submitted: list[str] = field(default_factory=list)
+    pushed_down: list[tuple[float, int]] = field(default_factory=list)   # (timeout, priority) per submit
     aborted: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     sources: dict[str, FakeSource] = field(default_factory=dict)
@@ -121,8 +122,10 @@ class FakeEngines:
         return 4096
 
     def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling,
-               eos_ids: list[int], cache_salt: str, trace_context: dict[str, str]) -> FakeSource:
+               eos_ids: list[int], cache_salt: str, trace_context: dict[str, str], *,
+               timeout: float = 0.0, priority: int = 0) -> FakeSource:
         r = self.replicas[address]
+        r.pushed_down.append((timeout, priority))
         r.submitted.append(request_id)
         r.in_flight += 1
         source = r.sources[request_id] = FakeSource()

@@ -9,6 +9,7 @@ request fails.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -112,3 +113,10 @@ async def test_a_session_sticks_to_its_replica() -> None:
     first.in_flight += 10    # now the more loaded one: the session still goes there
     await _run(c.router, _inp(request_id="2", session_id="s"))
     assert len(first.submitted) == 2
+
+
+async def test_the_deadline_and_priority_are_pushed_down_to_the_engine() -> None:
+    c = core(FakeReplica("a", ["ok"]))
+    await _run(c.router, _inp(priority=3), deadline=time.monotonic() + 20.0)
+    [(timeout, priority)] = c.engines.replicas["a"].pushed_down
+    assert 0 < timeout <= 20.0 and priority == 3

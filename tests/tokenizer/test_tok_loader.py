@@ -103,3 +103,22 @@ def test_real_model_metadata() -> None:
     assert (tok.name, tok.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.max_context) == expected
     assert set(tok.chat_templates) == templates
     assert specials <= tok.special_ids
+
+
+def test_a_chat_template_override_adds_its_end_of_turn_to_the_stop_ids(tmp_path) -> None:
+    from tokenizers import Tokenizer
+
+    from tests.tokenizer.tok_artefacts import build_bytelevel
+    from tokenizer_svc.app import load_domain
+    from tokenizer_svc.config import TokenizerSettings
+
+    directory = build_bytelevel(tmp_path / "tok", chat_template=None)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens(["<start_of_turn>", "<end_of_turn>"])
+    tok.save(str(directory / "tokenizer.json"))
+    end_of_turn = tok.token_to_id("<end_of_turn>")
+    plain, _ = load_domain(TokenizerSettings(tokenizer=str(directory)))
+    assert end_of_turn not in plain.eos_token_ids
+    served, template = load_domain(TokenizerSettings(tokenizer=str(directory), chat_template="gemma"))
+    assert template is not None and end_of_turn in served.eos_token_ids
+    assert set(plain.eos_token_ids) < set(served.eos_token_ids)

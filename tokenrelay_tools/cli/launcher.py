@@ -60,6 +60,8 @@ class MeshOptions:
     log_level: str = "INFO"
     engine_args: list[str] = field(default_factory=list)
     tokenizer_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    tenants_file: pathlib.Path | None = None   # served instead of the generated dev tenant
 
 
 @dataclass
@@ -224,9 +226,10 @@ class Mesh:
         """The first router binds --port (0 = ephemeral); the others bind the port it got. With more
         than one, every router binds with SO_REUSEPORT, so they serve one address."""
         n = max(1, self.o.routers)
+        tenants = self.o.tenants_file.resolve() if self.o.tenants_file else self._write_tenants()
         argv = ["--tokenizers", ",".join(tok_addrs), "--engines", ",".join(eng_addrs),
-                "--redis-url", self.redis_url, "--tenants-file", str(self._write_tenants()),
-                *self.router_flags()]
+                "--redis-url", self.redis_url, "--tenants-file", str(tenants),
+                *self.router_flags(), *self.o.router_args]
         if n > 1:
             argv.append("--reuse-port")
         first = await self._wait_port(*self._service("router", "router_svc", argv, port=self.o.port))
@@ -239,7 +242,9 @@ class Mesh:
         tmp = self.o.state_file.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"router": self.router_address, "api_key": self.api_key, "pid": os.getpid(),
+            # With a tenants file of the user's, no key of it is known here: clients pass their own.
+            api_key = "" if self.o.tenants_file else self.api_key
+            json.dump({"router": self.router_address, "api_key": api_key, "pid": os.getpid(),
                        "model": str(self.o.model), "engine": self.o.engine, "redis_url": self.redis_url,
                        "tokenizers": self.tokenizer_addresses, "engines": self.engine_addresses,
                        "routers": len(self.router_addresses), "device": self.device.name,

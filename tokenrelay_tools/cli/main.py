@@ -64,6 +64,15 @@ async def _up(args: argparse.Namespace) -> int:
         release_run_dir(run_dir)
         print(f"[tokenrelay] error: {exc}", file=sys.stderr)
         return 2
+    tenants_file = pathlib.Path(args.tenants_file) if args.tenants_file else None
+    if tenants_file is not None:
+        from router_svc.tenants import TenantRegistry, TenantsFileError  # a bad file: one line, before anything starts
+        try:
+            TenantRegistry.from_file(tenants_file)
+        except TenantsFileError as exc:
+            release_run_dir(run_dir)
+            print(f"[tokenrelay] error: {exc}", file=sys.stderr)
+            return 2
     model, serving = _resolve_model(args.model, args.engine)
     options = MeshOptions(
         model=model, engine=args.engine, port=args.port, host=args.host,
@@ -72,7 +81,7 @@ async def _up(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight, max_prompt_tokens=args.max_prompt_tokens, device=args.device,
         tokenizer_replicas=args.tokenizers, engine_replicas=args.engines,
         routers=args.routers, engine_args=args.engine_arg,
-        tokenizer_args=args.tokenizer_arg)
+        tokenizer_args=args.tokenizer_arg, router_args=args.router_arg, tenants_file=tenants_file)
     mesh = Mesh(options)
     # SIGTERM (systemd, `timeout`, a supervisor) stops the mesh as cleanly as Ctrl-C does.
     main_task = asyncio.current_task()
@@ -85,8 +94,12 @@ async def _up(args: argparse.Namespace) -> int:
           file=sys.stderr)
     cap = mesh.prompt_cap
     why = " (a CPU engine prefills ~170 tokens/s; --max-prompt-tokens 0 lifts the cap)" if cap else ""
-    print(f"[tokenrelay] dev tenant: max_in_flight={options.max_in_flight}, "
-          f"max_prompt_tokens={cap or 'the model context'}{why}", file=sys.stderr)
+    if tenants_file is not None:
+        print(f"[tokenrelay] tenants from {tenants_file} (reloaded on change); clients pass their own key "
+              "(--api-key or TOKENRELAY_API_KEY)", file=sys.stderr)
+    else:
+        print(f"[tokenrelay] dev tenant: max_in_flight={options.max_in_flight}, "
+              f"max_prompt_tokens={cap or 'the model context'}{why}", file=sys.stderr)
     try:
         address = await mesh.start()
         print(f"[tokenrelay] ready: router at {address} (state in {options.state_file})", file=sys.stderr)
@@ -231,6 +244,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--state-file", default=str(DEFAULT_STATE))
     up.add_argument("--engine-arg", action="append", default=[], help="extra flag for engine_svc (repeatable)")
     up.add_argument("--tokenizer-arg", action="append", default=[], help="extra flag for tokenizer_svc")
+    up.add_argument("--router-arg", action="append", default=[],
+                    help="extra flag for router_svc (repeatable; e.g. --router-arg=--queue-classes=...)")
+    up.add_argument("--tenants-file", default="", metavar="FILE",
+                    help="serve these tenants (YAML/TOML, see router_svc/tenants.py) instead of one generated "
+                         "dev tenant; checked before anything starts, reloaded on change")
 
     def client_opts(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--address", default="", help="router host:port (default: the local mesh)")
