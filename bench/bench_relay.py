@@ -205,7 +205,7 @@ def start_mesh(args: argparse.Namespace, procs: Procs) -> Mesh:
     tenants = procs.work / "tenants.yaml"
     tenants.write_text("tenants:\n  - name: bench\n"
                        f"    api_key_sha256: {hashlib.sha256(API_KEY.encode()).hexdigest()}\n"
-                       "    max_in_flight: 100000\n")
+                       "    max_in_flight: 100000\n    max_queued: 100000\n")
     deadline = time.monotonic() + 20
     while not sock.exists():
         if time.monotonic() > deadline:

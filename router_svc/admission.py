@@ -50,7 +50,6 @@ T = TypeVar("T")
 _LATE = 0.02
 _MAX_EXTENSIONS = 8
 _REFUSAL_TEXT = {
-    Reason.DUPLICATE_REQUEST_ID: "request id {id!r} is already queued or in flight",
     Reason.TENANT_CONCURRENCY_LIMIT: "tenant {t!r} has {mi} requests in flight (its limit) and may not queue more",
     Reason.TENANT_QUEUE_FULL: "tenant {t!r} has {mq} requests queued (its max_queued) and the engines are busy",
     Reason.CLASS_QUEUE_FULL: "the {c} queue is full",
@@ -105,7 +104,10 @@ class Admitting:
     async def abandon(self) -> None:
         """The request will not run (cancelled, deadline, client gone): its queue entry goes, or
         its grant — if one raced in — is settled at zero tokens. Runs to the end when cancelled."""
-        if self._waiter is not None and self.grant is None:
+        grant = self.grant
+        if grant is not None:
+            await grant.settle_tokens(0)
+        elif self._waiter is not None:
             await asyncio.shield(self._admission._spawn(self._admission._withdraw(self._waiter)))
 
 
@@ -251,6 +253,7 @@ class Admission:
             if waiter.lease is not None:          # granted by a message that raced the reply
                 return Admitting(self, None, waiter.lease, 0)
             waiter.position = int(value)
+            waiter.queued = True
             self.book.keep_alive()
             metrics.ADMISSION.labels(req.tenant, cls, "queued").inc()
             return Admitting(self, waiter, None, int(value))
@@ -288,6 +291,7 @@ class Admission:
     async def _withdraw(self, waiter: Waiter) -> None:
         """Take an abandoned request out of the queue; a grant that raced in is settled at zero."""
         self.book.waiting.pop(waiter.member, None)
+        self.book.ended(waiter.member)
         if waiter.lease is not None:
             await waiter.lease.settle_tokens(0)
             return

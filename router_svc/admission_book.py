@@ -47,6 +47,7 @@ class Waiter:
     def __init__(self, member: str, req: AdmitRequest, cls: str, nonce: str) -> None:
         self.member, self.req, self.cls, self.nonce = member, req, cls, nonce
         self.position = 0
+        self.queued = False         # Redis answered "queued": from then on the heartbeat keeps it alive
         self.lease: Lease | None = None
         self.error: TokenrelayError | None = None
         self.t_queued = time.monotonic()
@@ -87,6 +88,7 @@ class Lease:
             return
         self._settled = True
         self._book.leases.pop(self.member, None)
+        self._book.ended(self.member)
         metrics.LEASES_HELD.dec()
         await asyncio.shield(self._book.admission._spawn(self._book.settle(self, tokens)))
 
@@ -135,6 +137,9 @@ class Book:
         self.leases: dict[str, Lease] = {}
         self.waiting: dict[str, Waiter] = {}
         self._pending: dict[str, tuple[Lease, int, float]] = {}  # failed settles -> tokens, give up at
+        # Requests that ended here lately (member -> forget at): a grant notice for one of them is a
+        # heartbeat's or a message's late echo of a grant already settled, not an abandoned grant.
+        self._ended: dict[str, float] = {}
         self._beat = OwnedTask("admission-heartbeats")
         self._listener = OwnedTask("admission-grants")
         self._reaper = OwnedTask("admission-reaper")
@@ -161,12 +166,19 @@ class Book:
         for i in range(0, len(flat) - 2, 3):
             self.notice(_s(flat[i]), _s(flat[i + 1]), _s(flat[i + 2]))
 
+    def ended(self, member: str) -> None:
+        now = time.monotonic()
+        self._ended[member] = now + 2 * self.admission.settings.lease_ttl
+        if len(self._ended) > 4096:
+            self._ended = {m: t for m, t in self._ended.items() if t > now}
+
     def notice(self, member: str, fence: str, why: str) -> None:
         waiter = self.waiting.get(member)
         if why == "grant":
             if waiter is not None:
                 self.granted(waiter, fence)
-            elif member not in self.leases:   # its request was abandoned: give the capacity back
+            elif member not in self.leases and self._ended.get(member, 0.0) < time.monotonic():
+                # its request was abandoned before the grant reached it: give the capacity back
                 log.info("grant_for_abandoned_request", member=member)
                 self.admission._spawn(self._settle_orphan(member, fence))
             return
@@ -194,8 +206,14 @@ class Book:
             self.keep_alive()
             return
         self._pending.pop(lease.member, None)
-        if int(reply[0]) == 0:
-            log.warning("lease_settle_refused", member=lease.member, why="expired or fenced off")
+        status = int(reply[0])
+        if status == 0:
+            log.warning("lease_settle_refused", member=lease.member, why="fenced off: another request of this "
+                        "id holds it, or its record is gone")
+        elif status == 2:
+            log.info("lease_settled_after_expiry", member=lease.member)
+        elif status == 3:
+            log.debug("lease_settled_already", member=lease.member)   # a retry of a settle that landed
         self.notices(reply[1:])
 
     # ----------------------------------------------------------------------------- heartbeats
@@ -224,7 +242,7 @@ class Book:
             r = lease.req
             args += [lease.member, lease.fence, lease.cls, r.cost, r.max_in_flight, r.max_queued,
                      r.tokens_per_minute, r.weight]
-        waiters = list(self.waiting.values())
+        waiters = [w for w in self.waiting.values() if w.queued]
         args.append(len(waiters))
         for w in waiters:
             r = w.req
@@ -241,7 +259,8 @@ class Book:
         for i in range(0, len(rest) - 2, 3):
             kind, member, value = _s(rest[i]), _s(rest[i + 1]), rest[i + 2]
             if kind == "lost":
-                log.warning("lease_lost", member=member)
+                if member in self.leases:    # (one settled while this heartbeat was on its way is not)
+                    log.warning("lease_lost", member=member)
             elif kind == "pos":
                 if member in self.waiting:
                     self.waiting[member].moved(int(value))

@@ -207,22 +207,23 @@ class Router:
             await tokenizing
             check_lengths(state.prompt_ids, inp.sampling, tenant, self._max_context(), self.options.bounds)
             admitting = await self._enqueue(tenant, state, rctx)
-            yield Accepted(state.request_id, len(state.prompt_ids), admitting.position)
-            if admitting.grant is None:
-                async for event in self._queued(state, admitting, rctx):
-                    yield event
-            grant = admitting.grant
-            assert grant is not None
-            state.t_admitted = time.monotonic()
-            state.timings.queue_seconds = max(0.0, state.t_admitted - state.t_arrival - state.timings.tokenize_seconds)
+            # From here on the queue entry or the lease is given back on every path: the client may
+            # go away at any yield, a grant may land while a cancel is on its way.
             try:
+                yield Accepted(state.request_id, len(state.prompt_ids), admitting.position)
+                if admitting.grant is None:
+                    async for event in self._queued(state, admitting, rctx):
+                        yield event
+                state.t_admitted = time.monotonic()
+                state.timings.queue_seconds = max(0.0, state.t_admitted - state.t_arrival
+                                                  - state.timings.tokenize_seconds)
                 async for event in self._run(state, metrics, rctx):
                     if isinstance(event, Done):
                         done = event
                     else:
                         yield event
             finally:
-                await _settle(grant, state)
+                await _end_admission(admitting, state)
         finally:
             self._live.pop(state.key, None)
             await registry.release(tenant.name, state.request_id)
@@ -253,7 +254,7 @@ class Router:
         limits = tenant_limits(tenant, self.options.default_max_queued)
         request = AdmitRequest(tenant.name, state.request_id, state.priority, state.cost, state.remaining(), *limits)
         try:
-            with _tracer.start_as_current_span("admission", context=rctx):
+            with _tracer.start_as_current_span("queue_wait", context=rctx):   # the enqueue round trip
                 async with asyncio.timeout(state.remaining()):
                     return await self.ports.admission.admit(request)
         except TimeoutError:
@@ -265,18 +266,14 @@ class Router:
         QUEUED.labels(state.tenant).inc()
         self.ports.registry.on_cancel(state.tenant, state.request_id, admitting.cancel)
         try:
-            with _tracer.start_as_current_span("queue_wait", context=rctx):
+            with _tracer.start_as_current_span("queued", context=rctx):     # waiting for the grant
                 async with asyncio.timeout(state.remaining()):
                     while admitting.grant is None:
                         await admitting.next()
                         if admitting.grant is None:
                             yield Accepted(state.request_id, len(state.prompt_ids), admitting.position)
         except TimeoutError:
-            await admitting.abandon()
             raise Reason.DEADLINE_EXCEEDED.error("the deadline passed while queued") from None
-        except BaseException:
-            await admitting.abandon()
-            raise
         finally:
             QUEUED.labels(state.tenant).dec()
 
@@ -433,8 +430,14 @@ async def _discard(task: asyncio.Future[None]) -> None:
         await task
 
 
-async def _settle(grant: Grant, state: RequestState) -> None:
+async def _end_admission(admitting: Admitting, state: RequestState) -> None:
+    """Settle the lease with the request's usage, or — never granted — leave the queue (a grant
+    that raced the exit is settled at zero by `abandon`)."""
+    grant: Grant | None = admitting.grant
     try:
-        await grant.settle(state.usage)
+        if grant is not None:
+            await grant.settle(state.usage)
+        else:
+            await admitting.abandon()
     except Exception as exc:  # noqa: BLE001 - logged; the lease's TTL frees it
         log.warning("settle_failed", request_id=state.request_id, error=str(exc))

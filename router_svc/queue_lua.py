@@ -57,9 +57,12 @@ local ME, TTL = ARGV[3], tonumber(ARGV[4])
 local CAP
 if ARGV[2] ~= '' then
   CAP = tonumber(ARGV[2])
-  redis.call('SET', P .. 'cap', ARGV[2])
 else
   CAP = tonumber(redis.call('GET', P .. 'cap') or '1000000000')   -- never told: no bound of its own
+end
+
+local function store_cap()        -- by the periodic calls (BEAT, REAP): the reaper's dispatch uses it
+  if ARGV[2] ~= '' then redis.call('SET', P .. 'cap', ARGV[2]) end
 end
 local GRANTS = {}      -- {member, fence} of grants owned by the caller (others get a PUBLISH)
 
@@ -82,10 +85,14 @@ local function head(c, T)
   return tonumber(redis.call('HGET', rk(h[1]), 'S')), h[1]
 end
 
-local function refresh(c, T)      -- T's place among class c's ready tenants
+local function vtime(c) return tonumber(redis.call('GET', P .. 'vt:' .. c) or '0') end
+
+-- T's place among class c's ready tenants: its head's start tag, but never below the class's
+-- virtual time, so a tenant held back by its own limits (in flight, token budget) banks no credit.
+local function refresh(c, T)
   local s = head(c, T)
   if s and not redis.call('ZSCORE', P .. 'park', T) then
-    redis.call('ZADD', P .. 'ready:' .. c, s, T)
+    redis.call('ZADD', P .. 'ready:' .. c, math.max(s, vtime(c)), T)
   else
     redis.call('ZREM', P .. 'ready:' .. c, T)
   end
@@ -114,12 +121,16 @@ local function position(m, c)
   return n + 1
 end
 
-local function ahead(c)           -- queued requests of class c and above
-  local n = 0
+local function ahead(c)           -- queued requests of class c and above, and of class c alone
+  local n, own = 0, 0
   for _, cc in ipairs(CLASSES) do
-    if RANK[cc] <= RANK[c] then n = n + redis.call('ZCARD', P .. 'cq:' .. cc) end
+    if RANK[cc] <= RANK[c] then
+      local k = redis.call('ZCARD', P .. 'cq:' .. cc)
+      n = n + k
+      if cc == c then own = k end
+    end
   end
-  return n
+  return n, own
 end
 
 local function est_wait(n)        -- ms for n requests ahead to be served, -1 = no estimate yet
@@ -181,7 +192,7 @@ local function grant(m, c, T, s)
   redis.call('HSET', rk(m), 'st', 'l', 'f', fence, 'tg', NOW)
   redis.call('ZADD', P .. 'leases', NOW + TTL, m)
   redis.call('ZADD', P .. 'tl:' .. T, NOW + TTL, m)
-  redis.call('SET', P .. 'vt:' .. c, s)
+  redis.call('SET', P .. 'vt:' .. c, math.max(vtime(c), s))
   redis.call('HINCRBY', P .. 'qcost', T, -cost)
   credit(c, cost)
   notify(rec[2], m, fence, 'grant')
@@ -205,13 +216,15 @@ end
 
 local function dispatch()
   local inflight = redis.call('ZCARD', P .. 'leases')
+  if inflight >= CAP then return end
   local guard = 0
   while inflight < CAP and guard < 256 do
     guard = guard + 1
     local c = choose()
     if not c then break end
-    local T = redis.call('ZRANGE', P .. 'ready:' .. c, 0, 0)[1]
-    local s, m = head(c, T)
+    local top = redis.call('ZRANGE', P .. 'ready:' .. c, 0, 0, 'WITHSCORES')
+    local T, s = top[1], tonumber(top[2])
+    local _, m = head(c, T)
     if not m then
       redis.call('ZREM', P .. 'ready:' .. c, T)
     else
@@ -281,8 +294,7 @@ end
 -- Queue request m (the caller checked it is new). Its keep-alive runs from now.
 local function insert(m, T, c, cost, dl, owner, nonce, w)
   local seq = redis.call('INCR', P .. 'seq')
-  local v = tonumber(redis.call('GET', P .. 'vt:' .. c) or '0')
-  local s = math.max(v, tonumber(redis.call('HGET', P .. 'fin:' .. c, T) or '0'))
+  local s = math.max(vtime(c), tonumber(redis.call('HGET', P .. 'fin:' .. c, T) or '0'))
   redis.call('HSET', P .. 'fin:' .. c, T, s + cost / w)
   redis.call('HSET', rk(m), 'st', 'q', 't', T, 'c', c, 'cost', cost, 'S', s, 'seq', seq, 'dl', dl,
              'o', owner, 'n', nonce, 'f', 0, 'tg', 0)
@@ -299,44 +311,82 @@ end
 local function set_limits(T, mi, mq, tpm, w)
   redis.call('HSET', P .. 'tc:' .. T, 'mi', mi, 'mq', mq, 'tpm', tpm, 'w', w)
 end
+
+-- Grant m at once, without queueing it (nothing queued ahead, room in the pool): the same tags and
+-- accounting as a dispatch from the queue, in a dozen commands instead of some sixty.
+local function grant_now(m, T, c, cost, dl, nonce, w)
+  local s = math.max(vtime(c), tonumber(redis.call('HGET', P .. 'fin:' .. c, T) or '0'))
+  redis.call('HSET', P .. 'fin:' .. c, T, s + cost / w)
+  redis.call('SET', P .. 'vt:' .. c, s)
+  local fence = redis.call('INCR', P .. 'fence')
+  redis.call('DEL', rk(m))
+  redis.call('HSET', rk(m), 'st', 'l', 't', T, 'c', c, 'cost', cost, 'S', s, 'seq', 0, 'dl', dl,
+             'o', ME, 'n', nonce, 'f', fence, 'tg', NOW)
+  redis.call('ZADD', P .. 'leases', NOW + TTL, m)
+  redis.call('ZADD', P .. 'tl:' .. T, NOW + TTL, m)
+  credit(c, cost)
+  return fence
+end
 """
 
 # ARGV[5..]: member, class, cost, deadline_ms (remaining; 0 = none), nonce, max_in_flight,
 # max_queued, tokens_per_minute, weight, max_wait_ms.
 # Reply: {1, fence, 0, grants...} granted | {2, position, est_wait_ms, grants...} queued |
 #        {0, reason, retry_after_ms, grants...} refused.
+# An entry of the same id under another nonce is replaced: the router's id registry, which makes
+# ids unique per tenant across routers, let this one through, so the old one's router is gone.
 ENQUEUE = "#!lua\n" + PRELUDE + r"""
-housekeeping()
 local m, c, cost = ARGV[5], ARGV[6], tonumber(ARGV[7])
 local remaining, nonce = tonumber(ARGV[8]), ARGV[9]
 local mi, mq, tpm, w, max_wait = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
                                  tonumber(ARGV[13]), tonumber(ARGV[14])
 local T = tenant_of(m)
 local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'c')
-if rec[1] == 'q' or rec[1] == 'l' then        -- a retried submit: the same answer, nothing counted twice
-  if rec[2] ~= nonce then return {0, 'DUPLICATE_REQUEST_ID', 0} end
-  if rec[1] == 'l' then return {1, tonumber(rec[3]), 0} end
-  return {2, position(m, rec[4]), est_wait(ahead(rec[4]))}
+if rec[1] == 'q' or rec[1] == 'l' then
+  if rec[2] == nonce then                     -- a retried submit: the same answer, nothing counted twice
+    if rec[1] == 'l' then return {1, tonumber(rec[3]), 0} end
+    return {2, position(m, rec[4]), est_wait((ahead(rec[4])))}
+  end
+  if rec[1] == 'q' then
+    redis.call('HSET', rk(m), 'o', '')
+    drop_queued(m, 'replaced')
+  else
+    end_lease(m, T)
+  end
 end
 if not CMAXQ[c] then return {0, 'UNKNOWN_CLASS', 0} end
 set_limits(T, mi, mq, tpm, w)
 local budget_limit = remaining
 if budget_limit <= 0 or budget_limit > max_wait then budget_limit = max_wait end
+local rate_new = 0
 if tpm > 0 then
   if cost > tpm then return {0, 'TOKEN_BUDGET_TOO_SMALL', 0} end
   local queued_cost = tonumber(redis.call('HGET', P .. 'qcost', T) or '0')
   local wait = rate_wait(T, tpm, cost + math.max(queued_cost, 0))
   if wait > budget_limit then return {0, 'TOKEN_RATE_LIMITED', math.ceil(wait)} end
+  if queued_cost <= 0 then
+    local now_wait, new = rate_wait(T, tpm, cost)
+    if now_wait == 0 then rate_new = new end
+  end
 end
-local est = est_wait(ahead(c))
-if redis.call('ZCARD', P .. 'cq:' .. c) >= CMAXQ[c] then
-  return {0, 'CLASS_QUEUE_FULL', math.max(est, 1000)}
-end
-if est > budget_limit and ahead(c) > 0 then return {0, 'QUEUE_WAIT_EXCEEDS_DEADLINE', est} end
-local queued_before = tenant_queued(T)
-redis.call('DEL', rk(m))
+local n_ahead, n_class = ahead(c)
 local dl = 0
 if remaining > 0 then dl = NOW + remaining end
+-- The fast path: nothing queued in its class or above, room in the pool, the tenant within its
+-- limits: granted without being queued.
+if n_ahead == 0 and (tpm <= 0 or rate_new > 0) and redis.call('ZCARD', P .. 'leases') < CAP
+    and redis.call('ZCARD', P .. 'tl:' .. T) < mi then
+  if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, rate_new, 'PX', 120000) end
+  return {1, grant_now(m, T, c, cost, dl, nonce, w), 0}
+end
+local est = -1
+if n_ahead > 0 then est = est_wait(n_ahead) end
+if n_class >= CMAXQ[c] then
+  return {0, 'CLASS_QUEUE_FULL', math.max(est, 1000)}
+end
+if est > budget_limit then return {0, 'QUEUE_WAIT_EXCEEDS_DEADLINE', est} end
+local queued_before = tenant_queued(T)
+if rec[1] then redis.call('DEL', rk(m)) end
 insert(m, T, c, cost, dl, ME, nonce, w)
 dispatch()
 local st = redis.call('HMGET', rk(m), 'st', 'f')
@@ -355,6 +405,7 @@ elseif queued_before >= mq then                   -- it may not wait: refused, a
   end
   return {0, 'TENANT_QUEUE_FULL', math.max(est, 100)}
 else
+  if est < 0 then est = est_wait((ahead(c))) end
   reply = {2, position(m, c), est}
 end
 for _, g in ipairs(GRANTS) do reply[#reply + 1] = g end
@@ -362,15 +413,15 @@ return reply
 """
 
 # ARGV[5..]: member, fence, actual tokens, tokens_per_minute, weight. Settles one lease.
-# Reply: {1 settled | 2 its lease had expired (charged, capacity already returned) | 0 stale/unknown,
-#         grants...}
+# Reply: {1 settled | 2 its lease had expired (charged, capacity already returned) | 3 settled
+#         already | 0 stale or unknown, grants...}
 SETTLE = "#!lua flags=allow-oom\n" + PRELUDE + r"""
-housekeeping()
 local m, fence, actual = ARGV[5], ARGV[6], tonumber(ARGV[7])
 local tpm, w = tonumber(ARGV[8]), tonumber(ARGV[9])
 local rec = redis.call('HMGET', rk(m), 'st', 'f', 'c', 'cost', 'tg')
 local T = tenant_of(m)
 local status = 0
+if rec[1] == 's' then status = 3 end           -- settled already (a retry of a settle that did land)
 if rec[1] and rec[2] == fence and (rec[1] == 'l' or rec[1] == 'x') then
   local delta = actual - tonumber(rec[4])
   local fin = tonumber(redis.call('HGET', P .. 'fin:' .. rec[3], T) or '0')
@@ -400,7 +451,6 @@ return reply
 # ARGV[5..]: member, nonce. Reply: {1 removed from the queue | 2 leased (fence follows: settle it) |
 #                                   0 unknown, [fence], grants...}
 CANCEL = "#!lua flags=allow-oom\n" + PRELUDE + r"""
-housekeeping()
 local m, nonce = ARGV[5], ARGV[6]
 local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'o')
 local reply
@@ -427,6 +477,7 @@ return reply
 # expired or was fenced off), 'pos' (queued; value = position), 'gone' (value = why),
 # followed by the grants (member, fence, why).
 BEAT = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+store_cap()
 housekeeping()
 local out = {}
 for _, c in ipairs(CLASSES) do out[#out + 1] = redis.call('ZCARD', P .. 'cq:' .. c) end
@@ -483,6 +534,7 @@ return out
 # Housekeeping and dispatch only (a router runs it every --reap-interval: expired leases and
 # deadlines, budgets that refilled). Reply: {depth per class..., grants...}.
 REAP = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+store_cap()
 housekeeping()
 dispatch()
 local out = {}

@@ -80,9 +80,10 @@ class Ledger:
             out.terminals.append(f"{err.code().name}/{reason}")
 
     def lost(self) -> list[tuple[str, Outcome]]:
-        """Accepted requests without exactly one terminal state, or that hung until the client gave up."""
+        """Accepted requests without exactly one terminal state, and any request that hung until the
+        client gave up (accepted or not: a hang is never an answer)."""
         return [(rid, o) for rid, o in self.outcomes.items()
-                if o.accepted and (len(o.terminals) != 1 or o.terminals[0].endswith("CLIENT_TIMEOUT"))]
+                if (o.accepted and len(o.terminals) != 1) or any(t.endswith("CLIENT_TIMEOUT") for t in o.terminals)]
 
     def summary(self) -> Counter[str]:
         return Counter(t.split("/")[-1] if t != "done" else t for o in self.outcomes.values() for t in o.terminals)

@@ -205,8 +205,10 @@ class Core:
     admission: FakeAdmission
 
 
-def core(*replicas: FakeReplica, **options: object) -> Core:
-    tok, detok, admission = FakeTokenizer(), FakeDetokenize(), FakeAdmission()
+def core(*replicas: FakeReplica, admission: object = None, **options: object) -> Core:
+    """A router over fakes; `admission` replaces the fake admission (e.g. a real queue)."""
+    tok, detok = FakeTokenizer(), FakeDetokenize()
+    admission = admission if admission is not None else FakeAdmission()
     engines = FakeEngines(*(replicas or (FakeReplica("e1"),)))
     router = Router(Ports(tok, detok, engines, admission), RouterOptions(**options))  # type: ignore[arg-type]
     return Core(router, tok, detok, engines, admission)

@@ -1,0 +1,72 @@
+"""The request core over the real admission queue (real redis-server; fake tokenizer and engines):
+no lease or queue entry outlives its request, whichever way the request ends.
+
+Reproduced first (found by bench/fairness_repro_leak.py under load): a grant that landed while its
+queued request was being cancelled was never settled (`abandon()` saw the grant and did nothing; the
+settle was never reached), and a client that went away right after its first `accepted` left a
+granted lease behind; both were heartbeated for as long as the router ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from router_svc.types import Accepted, GenerateInput, Sampling
+from tests.router.admission_kit import PoolView, admission, req
+from tests.router.core_fakes import TENANT, FakeReplica, core
+from tests.waiting import poll
+
+
+async def _empty(view: PoolView) -> bool:
+    return await view.leases() == 0 and await view.queued("standard") == 0
+
+
+async def test_a_grant_that_lands_while_a_queued_request_is_abandoned_is_given_back(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=1)
+    view = PoolView(redis_url, a.settings.pool)
+    try:
+        holder = await a.admit(req("t", "holder"))
+        queued = await a.admit(req("t", "queued"))
+        assert queued.grant is None
+        await holder.grant.settle_tokens(1)   # grants "queued": the notice sets its lease...
+        assert queued.grant is not None
+        await queued.abandon()                # ...while its request is being cancelled
+        assert await _empty(view) and not a.book.leases
+    finally:
+        await a.close()
+        await view.close()
+
+
+async def test_a_client_gone_right_after_accepted_leaves_no_lease(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=4)
+    view = PoolView(redis_url, a.settings.pool)
+    c = core(FakeReplica("e1", ["hang"]), admission=a)
+    try:
+        stream = c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=8), prompt="hi"))
+        assert isinstance(await anext(stream), Accepted)
+        assert await view.leases() == 1
+        await stream.aclose()                 # the client goes away at its first message
+        await poll(lambda: _empty(view), timeout=5, what="the lease given back")
+        assert not a.book.leases
+    finally:
+        await a.close()
+        await view.close()
+
+
+async def test_cancelling_queued_requests_while_grants_land_leaks_nothing(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=2)
+    view = PoolView(redis_url, a.settings.pool)
+    c = core(FakeReplica("e1", ["hang"]), admission=a)
+    try:
+        for _ in range(5):
+            streams = [c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=8), prompt=f"p{i}"))
+                       for i in range(8)]
+            tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+            await asyncio.gather(*tasks)            # 2 running, 6 queued
+            for s in streams:                       # every client goes away at once
+                await s.aclose()
+            await poll(lambda: _empty(view), timeout=5, what="every lease and queue entry given back")
+        assert not a.book.leases and not a.book.waiting
+    finally:
+        await a.close()
+        await view.close()
