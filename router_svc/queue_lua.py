@@ -249,7 +249,7 @@ end
 local function end_lease(m, T)
   redis.call('ZREM', P .. 'leases', m)
   redis.call('ZREM', P .. 'tl:' .. T, m)
-  readd(T)
+  if tenant_queued(T) > 0 then readd(T) end   -- it may have been held back by its max_in_flight
 end
 
 -- An ended request's record stays a while as a tombstone (d dropped, s settled), so that a

@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from tokenrelay_tools.bench.fairness import WeightError, jain_index, parse_tenant_weights, served_tokens, tenant_weights
 from tokenrelay_tools.bench.report import (
     Slo,
     build_report,
@@ -19,7 +20,7 @@ from tokenrelay_tools.bench.report import (
 )
 from tokenrelay_tools.bench.runner import RequestRecord, RunResult, _Timing, matched_plan
 from tokenrelay_tools.bench.targets import TurnResult
-from tokenrelay_tools.bench.workload import SessionPlan, TurnPlan
+from tokenrelay_tools.bench.workload import SessionPlan, TurnPlan, WorkloadError, parse_workload
 
 
 def _timing(sent: float, deltas: list[tuple[float, int | None]]) -> _Timing:
@@ -172,3 +173,78 @@ def test_the_success_check_keeps_to_three_reasons_and_counts_the_rest() -> None:
 
 def test_a_run_without_errors_says_so() -> None:
     assert "errors: none" in format_report(build_report(_run([_rec(0, "a")])))
+
+
+# ------------------------------------------------------------------ fairness (issue 11)
+def test_jain_index_exact_values() -> None:
+    assert jain_index([4.0, 4.0, 4.0]) == 1.0
+    assert jain_index([7.0]) == 1.0
+    assert jain_index([5.0, 0.0, 0.0]) == pytest.approx(1 / 3)      # one tenant got everything: 1/n
+    assert jain_index([1.0, 2.0, 3.0]) == pytest.approx(36 / 42)    # (1+2+3)² / (3·(1+4+9))
+    assert jain_index([3.0, 1.0]) == pytest.approx(0.8)
+    assert jain_index([]) is None and jain_index([0.0, 0.0]) is None
+
+
+def _fair_records() -> list[RequestRecord]:
+    """a: 3 ok (111 tokens each) + 1 refused before any token; b: 1 ok + 1 cut off after 45 tokens."""
+    recs = [_rec(0, "a"), _rec(1, "a"), _rec(2, "a"),
+            _rec(3, "a", ok=False, status="RESOURCE_EXHAUSTED", reason="TENANT_QUEUE_FULL"),
+            _rec(4, "b"), _rec(5, "b", ok=False, status="CANCELLED", reason="BENCH_DRAIN_TIMEOUT")]
+    recs[5].prompt_tokens, recs[5].completion_tokens = 40, 5
+    for r in recs:
+        r.planned_prompt_tokens, r.planned_output_tokens = 100, 20
+    return recs
+
+
+def test_served_tokens_per_tenant_of_successful_and_of_all_requests() -> None:
+    assert served_tokens(_fair_records()) == {
+        "a": {"requests": 4, "served_ok": 333, "served_all": 333, "offered": 480},
+        "b": {"requests": 2, "served_ok": 111, "served_all": 156, "offered": 240}}
+
+
+def test_jain_index_over_weighted_served_tokens_in_the_report_and_its_text() -> None:
+    unweighted = build_report(_run(_fair_records()))["fairness"]
+    assert unweighted["jain_ok"] == pytest.approx(0.8)                       # 333 : 111 = 3 : 1
+    assert unweighted["jain_all"] == pytest.approx(489 ** 2 / (2 * (333 ** 2 + 156 ** 2)))
+    assert unweighted["tenants"]["a"]["share_ok"] == 0.75 and unweighted["tenants"]["a"]["weight"] == 1.0
+    # Weighted 3 : 1, the same split is perfectly fair on successful requests.
+    report = build_report(_run(_fair_records()), weights={"a": 3.0, "b": 1.0, "idle": 5.0})
+    f = report["fairness"]
+    assert f["jain_ok"] == pytest.approx(1.0)
+    assert f["jain_all"] == pytest.approx(267 ** 2 / (2 * (111 ** 2 + 156 ** 2)))
+    assert f["tenants"]["a"]["served_ok_per_weight"] == 111 and set(f["tenants"]) == {"a", "b"}
+    text = format_report(report)
+    assert "fairness: Jain's index over served tokens / weight: 1.000 successful requests · 0.972 all requests" in text
+    row = next(line for line in text.splitlines() if line.startswith("b "))
+    assert row.split() == ["b", "1", "2", "240", "111", "25.0%", "111", "156", "31.9%"]
+
+
+def test_a_run_with_no_tokens_served_has_no_index() -> None:
+    report = build_report(_run([_rec(0, "a", ok=False, status="UNAVAILABLE", reason="ENGINE_OVERLOADED")]))
+    assert report["fairness"]["jain_ok"] is None and report["fairness"]["jain_all"] is None
+    assert "- successful requests · - all requests" in format_report(report)
+
+
+def test_tenant_weights_come_from_the_flag_then_the_workload_never_from_the_arrival_weight() -> None:
+    assert parse_tenant_weights(["a=2", "b=0.5", "a=4"]) == {"a": 4.0, "b": 0.5}
+    for bad in ("a", "=2", "a=0", "a=-1", "a=x", "a=nan", "a=inf"):
+        with pytest.raises(WeightError, match="--tenant-weight"):
+            parse_tenant_weights([bad])
+    w = parse_workload({"name": "w", "tenants": [{"name": "noisy", "weight": 6, "fairness_weight": 2},
+                                                 {"name": "quiet", "weight": 1}]})
+    assert tenant_weights(w, {}) == {"noisy": 2.0}                   # quiet: 1 by default; 6 is its arrival mix
+    assert tenant_weights(w, {"noisy": 1.0, "quiet": 3.0}) == {"noisy": 1.0, "quiet": 3.0}
+    for value in (0, -1, "two", True):
+        with pytest.raises(WorkloadError, match="fairness_weight"):
+            parse_workload({"name": "w", "tenants": [{"name": "t", "fairness_weight": value}]})
+
+
+def test_a_failed_request_counts_the_tokens_streamed_before_it_failed() -> None:
+    rec = RequestRecord(index=0, session=0, turn=0, tenant="t", priority="", cls="c", start=0.0,
+                        planned_prompt_tokens=30, planned_output_tokens=50)
+    _timing(0.0, [(0.1, 2), (0.2, None), (0.3, 0), (0.4, 3)]).partial(rec)
+    assert (rec.prompt_tokens, rec.completion_tokens) == (30, 6)      # a delta without a count: one token
+    never = RequestRecord(index=1, session=1, turn=0, tenant="t", priority="", cls="c", start=0.0,
+                          planned_prompt_tokens=30, planned_output_tokens=50)
+    _timing(0.0, []).partial(never)
+    assert (never.prompt_tokens, never.completion_tokens) == (0, 0)   # no first token: nothing served

@@ -24,6 +24,7 @@ from services.errors import TokenrelayError
 from tokenrelay_tools import env
 from tokenrelay_tools.cli.launcher import DEFAULT_STATE
 
+from .fairness import parse_tenant_weights, tenant_weights
 from .plot import PlotUnavailable, require_matplotlib, write_plots
 from .progress import Progress
 from .report import (
@@ -113,6 +114,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="after the last request is issued, seconds in-flight ones get before being cancelled")
     r.add_argument("--max-sessions", type=int, default=10_000,
                    help="open loop: sessions alive at once before further arrivals are dropped")
+    r.add_argument("--tenant-weight", action="append", default=[], metavar="NAME=W",
+                   help="a tenant's fairness weight for the report's Jain index over served tokens (repeatable; "
+                        "default: the workload tenant's fairness_weight, else 1)")
     r.add_argument("--json", default="", metavar="PATH", help="write the JSON report here ('-' = stdout)")
     r.add_argument("--save-requests", default="", metavar="PATH", help="write one JSON line per request")
     r.add_argument("--plot", default="", metavar="DIR", help="write PNG charts here (needs matplotlib)")
@@ -331,6 +335,7 @@ async def run_bench(args: argparse.Namespace) -> int:
         return 0
     try:
         w = _workload(args)
+        weights = tenant_weights(w, parse_tenant_weights(getattr(args, "tenant_weight", [])))
         cfg = _run_config(args, w)
         state = _State(args.state_file)
         targets = _targets(args, state)
@@ -357,7 +362,7 @@ async def run_bench(args: argparse.Namespace) -> int:
             _err(f"{name}: unexpected client-side error (counted as UNKNOWN): {error}")
     # Baseline first in every table: the engine alone, then the mesh.
     results = dict(sorted(results.items(), key=lambda kv: kv[0] != "engine"))
-    reports = {name: build_report(res, slo) for name, res in results.items()}
+    reports = {name: build_report(res, slo, weights) for name, res in results.items()}
     try:
         _write_outputs(args, results, reports)
         if args.plot:

@@ -1,5 +1,6 @@
 """Statistics of a run: percentiles per tenant / priority / class, goodput, the JSON and the tables.
 
+Per-tenant served tokens and Jain's index over weighted served tokens come from `fairness`.
 Goodput is the share of *all* requests (failed ones count as misses) that met every SLO given:
 TTFT, the request's mean inter-token time (TPOT) and end-to-end latency. Throughputs divide by
 the run's wall time (start to the last request's end or failure), so drain time is included, as a
@@ -16,6 +17,7 @@ from typing import Any
 
 from services.errors import Reason
 
+from .fairness import fairness_report
 from .runner import RequestRecord, RunResult
 
 PERCENTILES = (50, 90, 95, 99)
@@ -104,8 +106,8 @@ def _grouped(records: Sequence[RequestRecord], key: Callable[[RequestRecord], st
     return {k: group_stats(v, wall, slo) for k, v in sorted(groups.items())}
 
 
-def build_report(result: RunResult, slo: Slo = Slo()) -> dict[str, Any]:
-    """The machine-readable report of one run."""
+def build_report(result: RunResult, slo: Slo = Slo(), weights: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """The machine-readable report of one run (`weights`: tenants' fairness weights, default 1)."""
     recs = result.records
     return {
         "workload": result.workload, "target": result.target, "mode": result.mode, "seed": result.seed,
@@ -118,6 +120,7 @@ def build_report(result: RunResult, slo: Slo = Slo()) -> dict[str, Any]:
         "by_tenant": _grouped(recs, lambda r: r.tenant, result.wall, slo),
         "by_priority": _grouped(recs, lambda r: r.priority, result.wall, slo),
         "by_class": _grouped(recs, lambda r: r.cls, result.wall, slo),
+        "fairness": fairness_report(recs, weights),
     }
 
 
@@ -187,6 +190,19 @@ def _groups_table(report: Mapping[str, Any]) -> str:
     return _table(header, rows)
 
 
+def _fairness_table(report: Mapping[str, Any]) -> str:
+    f = report.get("fairness")
+    if not f or not f["tenants"]:
+        return ""
+    rows = [[name, f"{t['weight']:g}", str(t["requests"]), str(t["offered"]), str(t["served_ok"]),
+             _pct(t["share_ok"]), f"{t['served_ok_per_weight']:.0f}", str(t["served_all"]), _pct(t["share_all"])]
+            for name, t in f["tenants"].items()]
+    index = " · ".join(f"{v:.3f} {what}" if v is not None else f"- {what}"
+                       for what, v in (("successful requests", f["jain_ok"]), ("all requests", f["jain_all"])))
+    header = ["tenant", "weight", "reqs", "offered tok", "served ok", "share", "ok/weight", "served all", "share"]
+    return f"fairness: Jain's index over served tokens / weight: {index}\n" + _table(header, rows)
+
+
 def _errors(report: Mapping[str, Any]) -> str:
     errs = report["summary"]["errors_by_reason"]
     if not errs:
@@ -235,7 +251,8 @@ def success_shortfall(report: Mapping[str, Any], min_success: float = DEFAULT_MI
 
 def format_report(report: Mapping[str, Any]) -> str:
     """The readable form of one run's report."""
-    parts = [_headline(report), _latency_table(report["summary"]), _groups_table(report), _errors(report)]
+    parts = [_headline(report), _latency_table(report["summary"]), _groups_table(report), _fairness_table(report),
+             _errors(report)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

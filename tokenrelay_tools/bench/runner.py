@@ -138,6 +138,13 @@ class _Timing:
         self.times.append(time.monotonic())
         self.counts.append(tokens)
 
+    def partial(self, rec: RequestRecord) -> None:
+        """A failed request's tokens served before it failed: those streamed (a delta without a
+        count as one), and its planned prompt once the first token came (prefill ran)."""
+        if self.counts:
+            rec.completion_tokens = sum(1 if c is None else c for c in self.counts)
+            rec.prompt_tokens = rec.planned_prompt_tokens
+
     def fill(self, rec: RequestRecord, res: TurnResult, t0: float) -> None:
         rec.e2e = res.finished_at - self.sent
         rec.prompt_tokens, rec.cached_tokens = res.prompt_tokens, res.cached_tokens
@@ -369,8 +376,10 @@ class Runner:
                              priority=plan.priority or "default", cls=plan.cls, start=time.monotonic() - self._t0,
                              planned_prompt_tokens=turn.prompt_tokens, planned_output_tokens=turn.output_tokens)
 
-    def _record_failure(self, rec: RequestRecord, status: str, reason: str) -> None:
+    def _record_failure(self, rec: RequestRecord, status: str, reason: str, timing: _Timing | None = None) -> None:
         rec.status, rec.reason = status, reason
+        if timing is not None:
+            timing.partial(rec)
         rec.end = time.monotonic() - self._t0
         self.errors += 1
         self.records.append(rec)
@@ -382,16 +391,18 @@ class Runner:
         try:
             res = await asyncio.wait_for(s.turn(turn, timing, self.cfg.request_timeout), self.cfg.request_timeout)
         except asyncio.TimeoutError:
-            self._record_failure(rec, Reason.BENCH_TIMEOUT.code.name, Reason.BENCH_TIMEOUT)
+            self._record_failure(rec, Reason.BENCH_TIMEOUT.code.name, Reason.BENCH_TIMEOUT, timing)
             return False
         except TokenrelayError as exc:
-            self._record_failure(rec, exc.code.name, exc.reason)
+            self._record_failure(rec, exc.code.name, exc.reason, timing)
             return False
         except asyncio.CancelledError:
-            self._record_failure(rec, Reason.BENCH_DRAIN_TIMEOUT.code.name, Reason.BENCH_DRAIN_TIMEOUT)
+            self._record_failure(rec, Reason.BENCH_DRAIN_TIMEOUT.code.name, Reason.BENCH_DRAIN_TIMEOUT,
+                                 timing)
             raise
         except Exception as exc:  # noqa: BLE001 - one broken request must not end the whole run
-            self._record_failure(rec, grpc.StatusCode.UNKNOWN.name, f"CLIENT_{type(exc).__name__.upper()}")
+            self._record_failure(rec, grpc.StatusCode.UNKNOWN.name, f"CLIENT_{type(exc).__name__.upper()}",
+                                 timing)
             if len(self.client_errors) < 3:  # kept for the report: a bench bug must not hide as a count
                 self.client_errors.append(repr(exc))
             return False

@@ -98,7 +98,8 @@ class RequestClass:
 @dataclass(frozen=True)
 class TenantSpec:
     name: str
-    weight: float = 1.0
+    weight: float = 1.0             # the tenant's share of the arrivals
+    fairness_weight: float | None = None   # its share of the service it is owed (the report's Jain index)
     priorities: tuple[tuple[str, float], ...] = (("", 1.0),)
     classes: tuple[tuple[str, float], ...] = ()   # empty = every class at its own weight
 

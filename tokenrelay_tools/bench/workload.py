@@ -17,6 +17,9 @@ one workload against two targets.
         output_tokens: {dist: lognormal, median: 40, sigma: 0.4, min: 4, max: 200}
         system_tokens: 40
 
+A tenant's ``weight`` is its share of the arrivals; ``fairness_weight`` (default 1) is its share
+of the service it is owed, which the report's Jain index weighs served tokens by (`fairness`).
+
 A JSONL trace replays recorded traffic instead: one request per line with ``timestamp`` (s),
 ``prompt_tokens``, ``output_tokens`` and optionally ``tenant``, ``priority``, ``class`` and
 ``session_id`` (lines sharing a session id are the turns of one chat, in order).
@@ -161,7 +164,12 @@ def parse_workload(spec: Mapping[str, Any], *, name: str = "", base_dir: pathlib
             raise WorkloadError("tenants: every tenant needs a `name`")
         prios = _weights(t.pop("priorities", {"": 1.0}), f"{where}.priorities", PRIORITY_NAMES)
         mix = _weights(t.pop("classes"), f"{where}.classes", names) if "classes" in t else ()
-        tenants.append(TenantSpec(tname, float(t.pop("weight", 1.0)), prios, mix))
+        fair = t.pop("fairness_weight", None)
+        if fair is not None and (isinstance(fair, bool) or not isinstance(fair, (int, float))
+                                 or not math.isfinite(fair) or fair <= 0):
+            raise WorkloadError(f"{where}.fairness_weight: expected a number > 0, got {fair!r}")
+        tenants.append(TenantSpec(tname, float(t.pop("weight", 1.0)), None if fair is None else float(fair),
+                                  prios, mix))
         if t:
             raise WorkloadError(f"{where}: unknown keys {sorted(t)}")
     arrival = _parse_arrival(s.pop("arrival", {}) or {})
