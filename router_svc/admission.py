@@ -70,6 +70,65 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class Batcher:
+    """Calls of one script submitted in the same event-loop iteration go out as ONE call: one round
+    trip, one script start, one pack of the arguments — under load a call carries many requests.
+
+    `add(args)` returns a future of this entry's slice of the reply (`width` values); the grants
+    that follow the entries go to the book. A caller that stops waiting leaves its entry in the
+    call; `late(slice)`, when given, receives the slice of an entry whose caller stopped waiting or
+    whose call timed out and then ran after all."""
+
+    def __init__(self, admission: Admission, script: str, width: int, max_batch: int = 128) -> None:
+        self._admission, self._script, self._width, self._max = admission, script, width, max_batch
+        self._pending: list[tuple[list[Any], asyncio.Future[list[Any]], Callable[[list[Any]], None] | None]] = []
+        self._scheduled = False
+
+    def add(self, args: list[Any], late: Callable[[list[Any]], None] | None = None) -> asyncio.Future[list[Any]]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[Any]] = loop.create_future()
+        self._pending.append((args, fut, late))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        while self._pending:
+            batch, self._pending = self._pending[:self._max], self._pending[self._max:]
+            self._admission._spawn(self._send(batch))
+
+    async def _send(self, batch: list[tuple[list[Any], asyncio.Future[list[Any]], Any]]) -> None:
+        flat: list[Any] = [len(batch)]
+        for args, _, _ in batch:
+            flat.extend(args)
+        op = self._admission.call(self._script, *flat)
+        try:
+            reply = await self._admission._watch(op, self._script.lower())
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            for _, fut, _ in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            op.add_done_callback(lambda done: self._ran_late(done, batch))
+            return
+        self._deliver(reply, batch, late_only=False)
+
+    def _ran_late(self, op: asyncio.Future[Any], batch: list[Any]) -> None:
+        if not op.cancelled() and op.exception() is None:
+            self._deliver(op.result(), batch, late_only=True)
+
+    def _deliver(self, reply: list[Any], batch: list[Any], late_only: bool) -> None:
+        w = self._width
+        for i, (_, fut, late) in enumerate(batch):
+            part = reply[i * w:(i + 1) * w]
+            if not late_only and not fut.done():
+                fut.set_result(part)
+            elif late is not None:
+                late(part)
+        self._admission.book.notices(reply[len(batch) * w:])
+
+
 class Admitting:
     """One request in admission: granted at once (`grant` set) or queued (`position`, `next()`)."""
 
@@ -129,12 +188,15 @@ class Admission:
                          for name in ("ENQUEUE", "SETTLE", "CANCEL", "BEAT", "REAP")}
         self.classes = settings.class_table()
         self._classes_arg = ";".join(f"{c.name},{c.min_share},{c.max_queued}" for c in self.classes)
+        self._class_of: dict[int, str] = {}
         self._meta = f"tq:{{{settings.pool}}}:meta"
         self.channel = f"tq:{{{settings.pool}}}:g:{self.router_id}"
         # The pool's capacity in requests as this process sees its engines (`app.py` sets it);
         # None = unknown, then settings.pool_capacity (or the capacity Redis last stored).
         self.capacity: Callable[[], int | None] = lambda: None
         self.book = Book(self)
+        self.enqueues = Batcher(self, "ENQUEUE", 3)
+        self.settles = Batcher(self, "SETTLE", 1)
         self.local = LocalLimits()
         self._background: set[asyncio.Future[Any]] = set()
 
@@ -204,7 +266,10 @@ class Admission:
         return Reason.REDIS_UNAVAILABLE.error(f"admission store unreachable ({what})")
 
     def class_of(self, priority: int) -> str:
-        return self.settings.class_for(priority)
+        cls = self._class_of.get(priority)
+        if cls is None:
+            cls = self._class_of[priority] = self.settings.class_for(priority)
+        return cls
 
     # ---------------------------------------------------------------------------------- the API
     async def start(self) -> None:
@@ -231,20 +296,23 @@ class Admission:
         waiter = Waiter(member, req, cls, uuid.uuid4().hex[:12])
         self.book.waiting[member] = waiter     # a grant message may come before the reply
         remaining_ms = int(req.deadline * 1000) if req.deadline > 0 else 0
-        op = self.call("ENQUEUE", member, cls, req.cost, remaining_ms, waiter.nonce, req.max_in_flight,
-                       req.max_queued, req.tokens_per_minute, req.weight, int(self.settings.max_queue_wait * 1000))
+        # A caller that gives up (cancelled, its deadline) or a call that times out while Redis may
+        # still queue or grant it: once Redis answers, it is taken out again (`late`).
+        fut = self.enqueues.add([member, cls, req.cost, remaining_ms, waiter.nonce, req.max_in_flight,
+                                 req.max_queued, req.tokens_per_minute, req.weight,
+                                 int(self.settings.max_queue_wait * 1000)],
+                                late=lambda part: self._withdraw_after(part, waiter))
         try:
-            reply = await self._watch(op, "enqueue")
-        except BaseException as exc:
-            # The caller gave up (cancelled, its deadline) or Redis did not answer in time, while
-            # Redis may still queue or grant it: once Redis answers, take it out again.
+            reply = await asyncio.shield(fut)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
             self.book.waiting.pop(member, None)
-            op.add_done_callback(lambda done: self._withdraw_after(done, waiter))
-            if isinstance(exc, (RedisError, OSError, asyncio.TimeoutError)):
-                return self._fail_open(req, cls, exc)
+            return self._fail_open(req, cls, exc)
+        except BaseException:
+            self.book.waiting.pop(member, None)
+            fut.add_done_callback(lambda done: done.cancelled() or done.exception() is not None
+                                  or self._withdraw_after(done.result(), waiter))
             raise
         status, value, extra = int(reply[0]), reply[1], int(reply[2])
-        self.book.notices(reply[3:])
         if status == 1:
             lease = self.book.granted(waiter, _s(value))
             metrics.ADMISSION.labels(req.tenant, cls, "granted").inc()
@@ -277,11 +345,9 @@ class Admission:
         log.warning("admission_fail_open", error=repr(exc), tenant=req.tenant)
         return Admitting(self, None, self.local.admit(req, cls, self.capacity_now()), 0)
 
-    def _withdraw_after(self, op: asyncio.Future[Any], waiter: Waiter) -> None:
-        if op.cancelled() or op.exception() is not None:
-            return    # never queued, or unknown: without keep-alives Redis drops it within --lease-ttl
-        status, value = int(op.result()[0]), op.result()[1]
-        self.book.notices(op.result()[3:])
+    def _withdraw_after(self, part: list[Any], waiter: Waiter) -> None:
+        """The enqueue of an abandoned request ran after all (`part` is its reply): take it out."""
+        status, value = int(part[0]), part[1]
         if status == 1:
             log.info("lease_released_after_abandoned_enqueue", member=waiter.member)
             self._spawn(self.book.granted(waiter, _s(value)).settle_tokens(0))

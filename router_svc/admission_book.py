@@ -189,7 +189,7 @@ class Book:
 
     async def _settle_orphan(self, member: str, fence: str) -> None:
         try:
-            await self.admission.run("SETTLE", member, fence, 0, 0, 1)
+            await self.admission.settles.add([member, fence, 0, 0, 1])
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             log.warning("orphan_settle_failed", member=member, error=repr(exc))
 
@@ -197,8 +197,8 @@ class Book:
     async def settle(self, lease: Lease, tokens: int) -> None:
         req = lease.req
         try:
-            reply = await self.admission.run("SETTLE", lease.member, lease.fence, tokens, req.tokens_per_minute,
-                                             req.weight)
+            reply = await self.admission.settles.add([lease.member, lease.fence, tokens, req.tokens_per_minute,
+                                                      req.weight])
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             log.warning("lease_settle_failed", member=lease.member, error=repr(exc), retry="heartbeat loop")
             self._pending[lease.member] = (lease, tokens, time.monotonic() + self.admission.settings.lease_ttl)
@@ -214,7 +214,6 @@ class Book:
             log.info("lease_settled_after_expiry", member=lease.member)
         elif status == 3:
             log.debug("lease_settled_already", member=lease.member)   # a retry of a settle that landed
-        self.notices(reply[1:])
 
     # ----------------------------------------------------------------------------- heartbeats
     def keep_alive(self) -> None:

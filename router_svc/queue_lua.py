@@ -329,123 +329,146 @@ local function grant_now(m, T, c, cost, dl, nonce, w)
 end
 """
 
-# ARGV[5..]: member, class, cost, deadline_ms (remaining; 0 = none), nonce, max_in_flight,
-# max_queued, tokens_per_minute, weight, max_wait_ms.
-# Reply: {1, fence, 0, grants...} granted | {2, position, est_wait_ms, grants...} queued |
-#        {0, reason, retry_after_ms, grants...} refused.
+# Many requests in one call (the router batches those that arrive together): ARGV[5] = n, then
+# per request 10 values: member, class, cost, deadline_ms (remaining; 0 = none), nonce,
+# max_in_flight, max_queued, tokens_per_minute, weight, max_wait_ms.
+# Reply: per request a triple {1, fence, 0} granted | {2, position, est_wait_ms} queued |
+# {0, reason, retry_after_ms} refused; then the grants (member, fence, why) of other requests.
 # An entry of the same id under another nonce is replaced: the router's id registry, which makes
 # ids unique per tenant across routers, let this one through, so the old one's router is gone.
 ENQUEUE = "#!lua\n" + PRELUDE + r"""
-local m, c, cost = ARGV[5], ARGV[6], tonumber(ARGV[7])
-local remaining, nonce = tonumber(ARGV[8]), ARGV[9]
-local mi, mq, tpm, w, max_wait = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]),
-                                 tonumber(ARGV[13]), tonumber(ARGV[14])
-local T = tenant_of(m)
-local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'c')
-if rec[1] == 'q' or rec[1] == 'l' then
-  if rec[2] == nonce then                     -- a retried submit: the same answer, nothing counted twice
-    if rec[1] == 'l' then return {1, tonumber(rec[3]), 0} end
-    return {2, position(m, rec[4]), est_wait((ahead(rec[4])))}
+local function enqueue_one(A)
+  local m, c, cost = A[1], A[2], tonumber(A[3])
+  local remaining, nonce = tonumber(A[4]), A[5]
+  local mi, mq, tpm, w, max_wait = tonumber(A[6]), tonumber(A[7]), tonumber(A[8]),
+                                   tonumber(A[9]), tonumber(A[10])
+  local T = tenant_of(m)
+  local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'c')
+  if rec[1] == 'q' or rec[1] == 'l' then
+    if rec[2] == nonce then                     -- a retried submit: the same answer, nothing counted twice
+      if rec[1] == 'l' then return {1, tonumber(rec[3]), 0} end
+      return {2, position(m, rec[4]), est_wait((ahead(rec[4])))}
+    end
+    if rec[1] == 'q' then
+      redis.call('HSET', rk(m), 'o', '')
+      drop_queued(m, 'replaced')
+    else
+      end_lease(m, T)
+    end
   end
-  if rec[1] == 'q' then
+  if not CMAXQ[c] then return {0, 'UNKNOWN_CLASS', 0} end
+  set_limits(T, mi, mq, tpm, w)
+  local budget_limit = remaining
+  if budget_limit <= 0 or budget_limit > max_wait then budget_limit = max_wait end
+  local rate_new = 0
+  if tpm > 0 then
+    if cost > tpm then return {0, 'TOKEN_BUDGET_TOO_SMALL', 0} end
+    local queued_cost = tonumber(redis.call('HGET', P .. 'qcost', T) or '0')
+    local wait = rate_wait(T, tpm, cost + math.max(queued_cost, 0))
+    if wait > budget_limit then return {0, 'TOKEN_RATE_LIMITED', math.ceil(wait)} end
+    if queued_cost <= 0 then
+      local now_wait, new = rate_wait(T, tpm, cost)
+      if now_wait == 0 then rate_new = new end
+    end
+  end
+  local n_ahead, n_class = ahead(c)
+  local dl = 0
+  if remaining > 0 then dl = NOW + remaining end
+  -- The fast path: nothing queued in its class or above, room in the pool, the tenant within its
+  -- limits: granted without being queued.
+  if n_ahead == 0 and (tpm <= 0 or rate_new > 0) and redis.call('ZCARD', P .. 'leases') < CAP
+      and redis.call('ZCARD', P .. 'tl:' .. T) < mi then
+    if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, rate_new, 'PX', 120000) end
+    return {1, grant_now(m, T, c, cost, dl, nonce, w), 0}
+  end
+  local est = -1
+  if n_ahead > 0 then est = est_wait(n_ahead) end
+  if n_class >= CMAXQ[c] then
+    return {0, 'CLASS_QUEUE_FULL', math.max(est, 1000)}
+  end
+  if est > budget_limit then return {0, 'QUEUE_WAIT_EXCEEDS_DEADLINE', est} end
+  local queued_before = tenant_queued(T)
+  if rec[1] then redis.call('DEL', rk(m)) end
+  insert(m, T, c, cost, dl, ME, nonce, w)
+  dispatch()
+  local st = redis.call('HMGET', rk(m), 'st', 'f')
+  local reply
+  if st[1] == 'l' then
+    reply = {1, tonumber(st[2]), 0}
+    -- the caller learns its own grant from this reply
+    for i = 1, #GRANTS, 3 do
+      if GRANTS[i] == m then table.remove(GRANTS, i); table.remove(GRANTS, i); table.remove(GRANTS, i); break end
+    end
+  elseif queued_before >= mq then                   -- it may not wait: refused, and nothing is left behind
     redis.call('HSET', rk(m), 'o', '')
-    drop_queued(m, 'replaced')
+    drop_queued(m, 'refused')
+    if mq == 0 and redis.call('ZCARD', P .. 'tl:' .. T) >= mi then
+      return {0, 'TENANT_CONCURRENCY_LIMIT', math.max(est, 100)}
+    end
+    return {0, 'TENANT_QUEUE_FULL', math.max(est, 100)}
   else
-    end_lease(m, T)
+    if est < 0 then est = est_wait((ahead(c))) end
+    reply = {2, position(m, c), est}
   end
+  return reply
 end
-if not CMAXQ[c] then return {0, 'UNKNOWN_CLASS', 0} end
-set_limits(T, mi, mq, tpm, w)
-local budget_limit = remaining
-if budget_limit <= 0 or budget_limit > max_wait then budget_limit = max_wait end
-local rate_new = 0
-if tpm > 0 then
-  if cost > tpm then return {0, 'TOKEN_BUDGET_TOO_SMALL', 0} end
-  local queued_cost = tonumber(redis.call('HGET', P .. 'qcost', T) or '0')
-  local wait = rate_wait(T, tpm, cost + math.max(queued_cost, 0))
-  if wait > budget_limit then return {0, 'TOKEN_RATE_LIMITED', math.ceil(wait)} end
-  if queued_cost <= 0 then
-    local now_wait, new = rate_wait(T, tpm, cost)
-    if now_wait == 0 then rate_new = new end
-  end
+
+local out = {}
+local base = 6
+for _ = 1, tonumber(ARGV[5]) do
+  local A = {}
+  for j = 1, 10 do A[j] = ARGV[base + j - 1] end
+  local r = enqueue_one(A)
+  out[#out + 1] = r[1]; out[#out + 1] = r[2]; out[#out + 1] = r[3]
+  base = base + 10
 end
-local n_ahead, n_class = ahead(c)
-local dl = 0
-if remaining > 0 then dl = NOW + remaining end
--- The fast path: nothing queued in its class or above, room in the pool, the tenant within its
--- limits: granted without being queued.
-if n_ahead == 0 and (tpm <= 0 or rate_new > 0) and redis.call('ZCARD', P .. 'leases') < CAP
-    and redis.call('ZCARD', P .. 'tl:' .. T) < mi then
-  if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, rate_new, 'PX', 120000) end
-  return {1, grant_now(m, T, c, cost, dl, nonce, w), 0}
-end
-local est = -1
-if n_ahead > 0 then est = est_wait(n_ahead) end
-if n_class >= CMAXQ[c] then
-  return {0, 'CLASS_QUEUE_FULL', math.max(est, 1000)}
-end
-if est > budget_limit then return {0, 'QUEUE_WAIT_EXCEEDS_DEADLINE', est} end
-local queued_before = tenant_queued(T)
-if rec[1] then redis.call('DEL', rk(m)) end
-insert(m, T, c, cost, dl, ME, nonce, w)
-dispatch()
-local st = redis.call('HMGET', rk(m), 'st', 'f')
-local reply
-if st[1] == 'l' then
-  reply = {1, tonumber(st[2]), 0}
-  -- the caller learns its own grant from this reply
-  for i = 1, #GRANTS, 3 do
-    if GRANTS[i] == m then table.remove(GRANTS, i); table.remove(GRANTS, i); table.remove(GRANTS, i); break end
-  end
-elseif queued_before >= mq then                   -- it may not wait: refused, and nothing is left behind
-  redis.call('HSET', rk(m), 'o', '')
-  drop_queued(m, 'refused')
-  if mq == 0 and redis.call('ZCARD', P .. 'tl:' .. T) >= mi then
-    return {0, 'TENANT_CONCURRENCY_LIMIT', math.max(est, 100)}
-  end
-  return {0, 'TENANT_QUEUE_FULL', math.max(est, 100)}
-else
-  if est < 0 then est = est_wait((ahead(c))) end
-  reply = {2, position(m, c), est}
-end
-for _, g in ipairs(GRANTS) do reply[#reply + 1] = g end
-return reply
+for _, g in ipairs(GRANTS) do out[#out + 1] = g end
+return out
 """
 
-# ARGV[5..]: member, fence, actual tokens, tokens_per_minute, weight. Settles one lease.
-# Reply: {1 settled | 2 its lease had expired (charged, capacity already returned) | 3 settled
-#         already | 0 stale or unknown, grants...}
+# Many settlements in one call: ARGV[5] = n, then per lease 5 values: member, fence, actual tokens,
+# tokens_per_minute, weight. Reply: per lease {1 settled | 2 its lease had expired (charged,
+# capacity already returned) | 3 settled already | 0 stale or unknown}, then the grants of the
+# dispatch that follows (once, for all of them).
 SETTLE = "#!lua flags=allow-oom\n" + PRELUDE + r"""
-local m, fence, actual = ARGV[5], ARGV[6], tonumber(ARGV[7])
-local tpm, w = tonumber(ARGV[8]), tonumber(ARGV[9])
-local rec = redis.call('HMGET', rk(m), 'st', 'f', 'c', 'cost', 'tg')
-local T = tenant_of(m)
-local status = 0
-if rec[1] == 's' then status = 3 end           -- settled already (a retry of a settle that did land)
-if rec[1] and rec[2] == fence and (rec[1] == 'l' or rec[1] == 'x') then
-  local delta = actual - tonumber(rec[4])
-  local fin = tonumber(redis.call('HGET', P .. 'fin:' .. rec[3], T) or '0')
-  redis.call('HSET', P .. 'fin:' .. rec[3], T, fin + delta / w)
-  charge(T, tpm, delta)
-  credit(rec[3], delta)
-  if rec[1] == 'l' then
-    local st = redis.call('HMGET', P .. 'stats', 'svc', 'n')
-    local svc = tonumber(st[1] or '0')
-    local n = tonumber(st[2] or '0')
-    local took = NOW - tonumber(rec[5])
-    if n == 0 then svc = took else svc = svc * 0.9 + took * 0.1 end
-    redis.call('HSET', P .. 'stats', 'svc', math.floor(svc), 'n', n + 1)
-    end_lease(m, T)
-    status = 1
-  else
-    status = 2
+local function settle_one(m, fence, actual, tpm, w)
+  local rec = redis.call('HMGET', rk(m), 'st', 'f', 'c', 'cost', 'tg')
+  local T = tenant_of(m)
+  local status = 0
+  if rec[1] == 's' then status = 3 end           -- settled already (a retry of a settle that did land)
+  if rec[1] and rec[2] == fence and (rec[1] == 'l' or rec[1] == 'x') then
+    local delta = actual - tonumber(rec[4])
+    local fin = tonumber(redis.call('HGET', P .. 'fin:' .. rec[3], T) or '0')
+    redis.call('HSET', P .. 'fin:' .. rec[3], T, fin + delta / w)
+    charge(T, tpm, delta)
+    credit(rec[3], delta)
+    if rec[1] == 'l' then
+      local st = redis.call('HMGET', P .. 'stats', 'svc', 'n')
+      local svc = tonumber(st[1] or '0')
+      local n = tonumber(st[2] or '0')
+      local took = NOW - tonumber(rec[5])
+      if n == 0 then svc = took else svc = svc * 0.9 + took * 0.1 end
+      redis.call('HSET', P .. 'stats', 'svc', math.floor(svc), 'n', n + 1)
+      end_lease(m, T)
+      status = 1
+    else
+      status = 2
+    end
+    tombstone(m, 's')
   end
-  tombstone(m, 's')
+  return status
+end
+
+local out = {}
+local base = 6
+for _ = 1, tonumber(ARGV[5]) do
+  out[#out + 1] = settle_one(ARGV[base], ARGV[base + 1], tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]),
+                             tonumber(ARGV[base + 4]))
+  base = base + 5
 end
 dispatch()
-local reply = {status}
-for _, g in ipairs(GRANTS) do reply[#reply + 1] = g end
-return reply
+for _, g in ipairs(GRANTS) do out[#out + 1] = g end
+return out
 """
 
 # ARGV[5..]: member, nonce. Reply: {1 removed from the queue | 2 leased (fence follows: settle it) |

@@ -68,13 +68,13 @@ async def test_a_retried_enqueue_is_not_counted_twice_and_a_new_attempt_replaces
     await a.admit(req("t", "1"))
     await a.admit(req("t", "2"))
     args = ("t:dup", "standard", 10, 30000, "nonce-1", 100, 100, 0, 1.0, 60000)
-    first = await a.run("ENQUEUE", *args)
-    again = await a.run("ENQUEUE", *args)       # redis-py's retry on a fresh connection does exactly this
+    first = await a.run("ENQUEUE", 1, *args)
+    again = await a.run("ENQUEUE", 1, *args)       # redis-py's retry on a fresh connection does exactly this
     assert [int(first[0]), int(first[1])] == [int(again[0]), int(again[1])] == [2, 1]
     assert await view.queued("standard") == 1
     # Another attempt of the id (the router's id registry only lets one through per tenant, so the
     # old attempt's router is gone): it replaces the old entry, it is not queued twice.
-    other = await a.run("ENQUEUE", "t:dup", "standard", 10, 30000, "nonce-2", 100, 100, 0, 1.0, 60000)
+    other = await a.run("ENQUEUE", 1, "t:dup", "standard", 10, 30000, "nonce-2", 100, 100, 0, 1.0, 60000)
     assert [int(other[0]), int(other[1])] == [2, 1] and await view.queued("standard") == 1
     assert int((await a.run("CANCEL", "t:dup", "nonce-1"))[0]) == 0   # the old attempt holds nothing
     assert int((await a.run("CANCEL", "t:dup", "nonce-2"))[0]) == 1
@@ -168,9 +168,9 @@ async def test_dead_owner_leases_expire_and_a_stale_owner_cannot_settle(redis_ur
         assert queued.grant is None
         await asyncio.wait_for(queued.next(), 5)   # its lease expired; the reaper dispatched the next
         assert queued.grant is not None
-        reply = await dead.run("SETTLE", x.grant.member, x.grant.fence, 100, 0, 1.0)
+        reply = await dead.run("SETTLE", 1, x.grant.member, x.grant.fence, 100, 0, 1.0)
         assert int(reply[0]) == 2             # expired: its tokens are charged, the capacity is not freed twice
-        again = await dead.run("SETTLE", x.grant.member, x.grant.fence, 100, 0, 1.0)
+        again = await dead.run("SETTLE", 1, x.grant.member, x.grant.fence, 100, 0, 1.0)
         assert int(again[0]) == 3             # and never twice: "settled already"
         assert await alive.in_flight("t") == 1
         await queued.grant.settle_tokens(1)
@@ -272,5 +272,21 @@ async def test_redis_at_maxmemory_refuses_new_requests_cleanly_and_still_settles
         finally:
             await a.redis.config_set("maxmemory", "0")
         assert (await a.admit(req("t", "3"))).grant is not None
+    finally:
+        await a.close()
+
+
+async def test_requests_arriving_together_share_one_enqueue_and_one_settle_call(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=1000)
+    try:
+        await (await a.admit(req("t", "warm"))).grant.settle_tokens(1)     # scripts loaded
+        before = await a.redis.info("commandstats")
+        held = await asyncio.gather(*(a.admit(req(f"t{i % 4}", f"r{i}")) for i in range(40)))
+        await asyncio.gather(*(x.grant.settle_tokens(10) for x in held))
+        after = await a.redis.info("commandstats")
+        calls = after["cmdstat_evalsha"]["calls"] - before["cmdstat_evalsha"]["calls"]
+        assert all(x.grant is not None for x in held)
+        assert calls <= 4, calls        # 40 enqueues and 40 settles: one call each (a reap may slip in)
+        assert await a.in_flight("t0") == 0
     finally:
         await a.close()
