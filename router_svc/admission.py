@@ -220,8 +220,11 @@ class Admission:
 
     def argv(self, *rest: Any) -> list[Any]:
         cap = self.capacity_now()
-        return [self._classes_arg, "" if cap is None else cap, self.router_id,
-                int(self.settings.lease_ttl * 1000), *rest]
+        spec = ""
+        if cap is not None:
+            headroom = int(cap * self.settings.fair_headroom)
+            spec = f"{cap - headroom}:{headroom}"
+        return [self._classes_arg, spec, self.router_id, int(self.settings.lease_ttl * 1000), *rest]
 
     def call(self, script: str, *args: Any) -> asyncio.Future[Any]:
         return asyncio.ensure_future(self._scripts[script](keys=[self._meta], args=self.argv(*args)))

@@ -54,11 +54,15 @@ for name, share, maxq in string.gmatch(ARGV[1], '([^,;]+),([^,;]+),([^,;]+)') do
   RANK[name] = #CLASSES
 end
 local ME, TTL = ARGV[3], tonumber(ARGV[4])
-local CAP
-if ARGV[2] ~= '' then
-  CAP = tonumber(ARGV[2])
-else
-  CAP = tonumber(redis.call('GET', P .. 'cap') or '1000000000')   -- never told: no bound of its own
+-- ARGV[2] = "CAP:HEADROOM": requests dispatched freely, and the slots beyond them that only a tenant
+-- below its fair share of the whole pool may take (so a quiet tenant never waits behind a noisy one's
+-- full pool for a slot to free).
+local CAP, HEADROOM = 1000000000, 0                    -- never told: no bound of its own
+local cap_spec = ARGV[2]
+if cap_spec == '' then cap_spec = redis.call('GET', P .. 'cap') or '' end
+if cap_spec ~= '' then
+  local a, b = string.match(cap_spec, '^(%d+):?(%d*)$')
+  CAP, HEADROOM = tonumber(a), tonumber(b) or 0
 end
 
 local function store_cap()        -- by the periodic calls (BEAT, REAP): the reaper's dispatch uses it
@@ -184,14 +188,44 @@ local function unqueue(m, c, T)
   refresh(c, T)
 end
 
+-- A lease taken / given back; `act` holds the weights of the tenants that hold leases (for the
+-- fair share of the headroom).
+local function add_lease(m, T, w)
+  redis.call('ZADD', P .. 'leases', NOW + TTL, m)
+  redis.call('ZADD', P .. 'tl:' .. T, NOW + TTL, m)
+  redis.call('HSET', P .. 'act', T, w)
+end
+
+local function drop_lease(m, T)
+  redis.call('ZREM', P .. 'leases', m)
+  redis.call('ZREM', P .. 'tl:' .. T, m)
+  if redis.call('ZCARD', P .. 'tl:' .. T) == 0 then redis.call('HDEL', P .. 'act', T) end
+end
+
+-- May T take a slot of the headroom? Only while it holds less than its weight's share of the freely
+-- dispatched slots, among the tenants holding leases and itself: a tenant alone never reaches the
+-- headroom (it holds all of CAP), a newcomer beside a noisy one does at once.
+local function under_share(T, w)
+  local total = w
+  if redis.call('HEXISTS', P .. 'act', T) == 1 then total = 0 end
+  for _, v in ipairs(redis.call('HVALS', P .. 'act')) do total = total + tonumber(v) end
+  return redis.call('ZCARD', P .. 'tl:' .. T) < CAP * w / total
+end
+
+local function room_for(T, w)
+  local inflight = redis.call('ZCARD', P .. 'leases')
+  if inflight < CAP then return true end
+  return HEADROOM > 0 and inflight < CAP + HEADROOM and under_share(T, w)
+end
+
 local function grant(m, c, T, s)
   local rec = redis.call('HMGET', rk(m), 'cost', 'o')
   local cost = tonumber(rec[1])
   unqueue(m, c, T)
   local fence = redis.call('INCR', P .. 'fence')
   redis.call('HSET', rk(m), 'st', 'l', 'f', fence, 'tg', NOW)
-  redis.call('ZADD', P .. 'leases', NOW + TTL, m)
-  redis.call('ZADD', P .. 'tl:' .. T, NOW + TTL, m)
+  local _, _, _, w = limits(T)
+  add_lease(m, T, w)
   redis.call('SET', P .. 'vt:' .. c, math.max(vtime(c), s))
   redis.call('HINCRBY', P .. 'qcost', T, -cost)
   credit(c, cost)
@@ -214,16 +248,32 @@ local function choose()
   return backlog[1]
 end
 
+-- The next (class, tenant, start tag) to serve: by class policy and fair tags while the pool has
+-- room; in the headroom, the first ready tenant below its share, classes in priority order.
+local function pick(inflight)
+  if inflight < CAP then
+    local c = choose()
+    if not c then return nil end
+    local top = redis.call('ZRANGE', P .. 'ready:' .. c, 0, 0, 'WITHSCORES')
+    return c, top[1], tonumber(top[2])
+  end
+  for _, c in ipairs(CLASSES) do
+    local top = redis.call('ZRANGE', P .. 'ready:' .. c, 0, 15, 'WITHSCORES')
+    for i = 1, #top, 2 do
+      local _, _, _, w = limits(top[i])
+      if under_share(top[i], w) then return c, top[i], tonumber(top[i + 1]) end
+    end
+  end
+  return nil
+end
+
 local function dispatch()
   local inflight = redis.call('ZCARD', P .. 'leases')
-  if inflight >= CAP then return end
   local guard = 0
-  while inflight < CAP and guard < 256 do
+  while inflight < CAP + HEADROOM and guard < 256 do
     guard = guard + 1
-    local c = choose()
+    local c, T, s = pick(inflight)
     if not c then break end
-    local top = redis.call('ZRANGE', P .. 'ready:' .. c, 0, 0, 'WITHSCORES')
-    local T, s = top[1], tonumber(top[2])
     local _, m = head(c, T)
     if not m then
       redis.call('ZREM', P .. 'ready:' .. c, T)
@@ -247,8 +297,7 @@ local function dispatch()
 end
 
 local function end_lease(m, T)
-  redis.call('ZREM', P .. 'leases', m)
-  redis.call('ZREM', P .. 'tl:' .. T, m)
+  drop_lease(m, T)
   if tenant_queued(T) > 0 then readd(T) end   -- it may have been held back by its max_in_flight
 end
 
@@ -322,8 +371,7 @@ local function grant_now(m, T, c, cost, dl, nonce, w)
   redis.call('DEL', rk(m))
   redis.call('HSET', rk(m), 'st', 'l', 't', T, 'c', c, 'cost', cost, 'S', s, 'seq', 0, 'dl', dl,
              'o', ME, 'n', nonce, 'f', fence, 'tg', NOW)
-  redis.call('ZADD', P .. 'leases', NOW + TTL, m)
-  redis.call('ZADD', P .. 'tl:' .. T, NOW + TTL, m)
+  add_lease(m, T, w)
   credit(c, cost)
   return fence
 end
@@ -376,8 +424,8 @@ local function enqueue_one(A)
   if remaining > 0 then dl = NOW + remaining end
   -- The fast path: nothing queued in its class or above, room in the pool, the tenant within its
   -- limits: granted without being queued.
-  if n_ahead == 0 and (tpm <= 0 or rate_new > 0) and redis.call('ZCARD', P .. 'leases') < CAP
-      and redis.call('ZCARD', P .. 'tl:' .. T) < mi then
+  if n_ahead == 0 and (tpm <= 0 or rate_new > 0) and redis.call('ZCARD', P .. 'tl:' .. T) < mi
+      and room_for(T, w) then
     if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, rate_new, 'PX', 120000) end
     return {1, grant_now(m, T, c, cost, dl, nonce, w), 0}
   end
@@ -516,8 +564,7 @@ for _ = 1, tonumber(ARGV[5]) do
     set_limits(T, ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7])
     redis.call('HSET', rk(m), 'st', 'l', 't', T, 'c', c, 'cost', cost, 'S', 0, 'seq', 0, 'dl', 0,
                'o', ME, 'n', '', 'f', fence, 'tg', NOW)
-    redis.call('ZADD', P .. 'leases', NOW + TTL, m)
-    redis.call('ZADD', P .. 'tl:' .. T, NOW + TTL, m)
+    add_lease(m, T, ARGV[i + 7])
     if tonumber(redis.call('GET', P .. 'fence') or '0') < tonumber(fence) then
       redis.call('SET', P .. 'fence', fence)
     end

@@ -132,3 +132,23 @@ async def test_interactive_within_its_share_barely_waits_behind_a_batch_flood(re
     # A slot frees every ~5 ms (4 slots, 20 ms each): an interactive request takes the next one.
     assert p99(served["chat"].waits) < 2 * service, p99(served["chat"].waits)
     assert served["offline"].tokens > served["chat"].tokens / 3      # batch uses the rest
+
+
+async def test_the_headroom_lets_a_quiet_tenant_start_at_once_beside_a_full_pool(redis_url) -> None:
+    # 10 slots: 8 dispatched freely, 2 only for a tenant below its fair share of those 8.
+    a = admission(redis_url, pool_capacity=10, fair_headroom=0.2)
+    try:
+        noisy = [await a.admit(req("noisy", f"n{i}")) for i in range(12)]
+        assert sum(x.grant is not None for x in noisy) == 8          # the headroom is not for it
+        quiet = await a.admit(req("quiet", "q1"))
+        assert quiet.grant is not None                               # at once, although the pool is "full"
+        second = await a.admit(req("quiet", "q2"))
+        assert second.grant is not None                              # 1 held: still under its 4 of 8
+        # the headroom is used up (10 leases): the next one waits its turn in the queue
+        third = await a.admit(req("quiet", "q3"))
+        assert third.grant is None
+        await noisy[0].grant.settle_tokens(1)
+        await asyncio.wait_for(third.next(), 5)     # the freed slot goes to the quiet tenant (fair tag)
+        assert third.grant is not None
+    finally:
+        await a.close()
