@@ -54,9 +54,11 @@ class AdmissionSettings(Section):
                                "(0 = from the engines' reports: each serving replica's batch size)")
     capacity_factor: float = Field(1.0, gt=0, le=16, description="dispatch up to this many times the engines' "
                                    "reported batch sizes (above 1, a small queue forms inside each engine)")
-    fair_headroom: float = Field(0.1, ge=0, lt=1, description="share of the pool's capacity held back for "
+    fair_headroom: float = Field(0.0, ge=0, lt=1, description="share of the pool's capacity held back for "
                                  "tenants below their fair (weighted) share of it: a quiet tenant's request "
-                                 "starts at once while a noisy tenant keeps the rest of the pool full")
+                                 "starts at once while a noisy tenant keeps the rest of the pool full. It costs "
+                                 "that share of the engines when one tenant alone saturates them (0 = off; "
+                                 "see docs/admission.md)")
     kv_high_water: float = Field(0.95, gt=0, le=1, description="a replica whose KV cache is this full takes "
                                  "no more than it runs now")
     unknown_replica_capacity: int = Field(32, ge=1, le=100_000, description="batch size assumed for a serving "
