@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -90,7 +91,11 @@ class Lease:
         self._book.leases.pop(self.member, None)
         self._book.ended(self.member)
         metrics.LEASES_HELD.dec()
-        await asyncio.shield(self._book.admission._spawn(self._book.settle(self, tokens)))
+        # No task per settle: the batched call's future, shielded (a cancelled caller leaves it running);
+        # its outcome is booked by a callback either way.
+        fut = self._book.settle_call(self, tokens)
+        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+            await asyncio.shield(fut)
 
 
 class LocalLease:
@@ -194,19 +199,26 @@ class Book:
             log.warning("orphan_settle_failed", member=member, error=repr(exc))
 
     # ----------------------------------------------------------------------------- settlement
-    async def settle(self, lease: Lease, tokens: int) -> None:
+    def settle_call(self, lease: Lease, tokens: int) -> asyncio.Future[list[Any]]:
         req = lease.req
-        try:
-            reply = await self.admission.settles.add([lease.member, lease.fence, tokens, req.tokens_per_minute,
-                                                      req.weight])
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        fut = self.admission.settles.add([lease.member, lease.fence, tokens, req.tokens_per_minute, req.weight])
+        fut.add_done_callback(lambda done: self._settled(lease, tokens, done))
+        return fut
+
+    async def settle(self, lease: Lease, tokens: int) -> None:
+        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+            await self.settle_call(lease, tokens)
+
+    def _settled(self, lease: Lease, tokens: int, done: asyncio.Future[list[Any]]) -> None:
+        exc = None if done.cancelled() else done.exception()
+        if done.cancelled() or exc is not None:
             log.warning("lease_settle_failed", member=lease.member, error=repr(exc), retry="heartbeat loop")
             self._pending[lease.member] = (lease, tokens, time.monotonic() + self.admission.settings.lease_ttl)
             metrics.LEASE_RELEASE_RETRIES.inc()
             self.keep_alive()
             return
         self._pending.pop(lease.member, None)
-        status = int(reply[0])
+        status = int(done.result()[0])
         if status == 0:
             log.warning("lease_settle_refused", member=lease.member, why="fenced off: another request of this "
                         "id holds it, or its record is gone")
