@@ -34,6 +34,7 @@ from services.logging import get_logger
 
 from .base import Backend, FinishReason, GenerationEvent, GenerationRequest, LoadSnapshot, Sink
 from .events import HealthState
+from .remote import TaskSet
 from .triton_config import TritonConfig
 from .triton_tensors import ModelInterface, TensorBuilder, response_tokens
 
@@ -66,7 +67,7 @@ class TritonBackend(Backend):
         self._client: Any = None
         self._tensors: TensorBuilder | None = None
         self._live: dict[str, _Live] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._counter = 0
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
@@ -96,26 +97,17 @@ class TritonBackend(Backend):
                                "model_transaction_policy { decoupled: true }")
         self._tensors = TensorBuilder(cfg, interface, triton_grpc.InferInput, triton_grpc.InferRequestedOutput)
         if cfg.health_interval > 0:
-            self._spawn(self._watch_health(), "triton-health")
+            self._tasks.spawn(self._watch_health(), "triton-health")
         log.info("triton_ready", url=cfg.url, model_name=cfg.model_name, inputs=sorted(interface.inputs))
 
     async def close(self) -> None:
         for request_id in list(self._live):
             self.abort(request_id)
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.cancel_all()
         self.close_kv_events()
         if self._client is not None:
             await self._client.close()
             self._client = None
-
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
@@ -129,7 +121,7 @@ class TritonBackend(Backend):
         self._live[request.request_id] = live
         self.prompt_tokens_total += len(request.prompt_token_ids)
         timeout = None if request.deadline is None else max(0.001, request.deadline - time.monotonic())
-        live.task = self._spawn(self._run(live, timeout), f"triton-{live.wire_id}")
+        live.task = self._tasks.spawn(self._run(live, timeout), f"triton-{live.wire_id}")
 
     def abort(self, request_id: str) -> bool:
         live = self._live.get(request_id)
@@ -140,7 +132,7 @@ class TritonBackend(Backend):
             live.outbox.put_nowait(self._tensors.request(live.request, live.wire_id, stop=True))
         live.outbox.put_nowait(None)
         if live.task is not None:
-            self._spawn(self._reap(live.task), "triton-stop")
+            self._tasks.spawn(self._reap(live.task), "triton-stop")
         return True
 
     async def _reap(self, task: asyncio.Task[None]) -> None:

@@ -36,6 +36,7 @@ from services.logging import get_logger
 
 from .base import Backend, FinishReason, GenerationEvent, GenerationRequest, LoadSnapshot, Sink
 from .events import HealthState, IterationStats
+from .remote import TaskSet
 from .trtllm_grpc_config import TrtllmGrpcConfig
 from .trtllm_grpc_wire import KvEventMapper, Wire, finish_reason, status_reason
 
@@ -66,7 +67,7 @@ class TrtllmGrpcBackend(Backend):
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._live: dict[str, _Live] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._counter = 0
         self._max_active = config.max_batch_size or 256
         self._load: Any = None   # the latest EngineLoad record of the KV event stream
@@ -91,29 +92,20 @@ class TrtllmGrpcBackend(Backend):
         self.vocab_size = int(info.vocab_size)
         self._max_active = cfg.max_batch_size or int(info.max_batch_size) or 256
         if cfg.health_interval > 0:
-            self._spawn(self._watch_health(), "trtllm-grpc-health")
+            self._tasks.spawn(self._watch_health(), "trtllm-grpc-health")
         if cfg.kv_events:
-            self._spawn(self._follow_kv_events(), "trtllm-grpc-kv-events")
+            self._tasks.spawn(self._follow_kv_events(), "trtllm-grpc-kv-events")
         log.info("trtllm_grpc_ready", address=cfg.address, model=self.model, max_context=self.max_context,
                  vocab_size=self.vocab_size, max_batch_size=self._max_active)
 
     async def close(self) -> None:
         for request_id in list(self._live):
             self.abort(request_id)
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.cancel_all()
         self.close_kv_events()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
-
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
@@ -125,7 +117,7 @@ class TrtllmGrpcBackend(Backend):
         timeout = None if request.deadline is None else max(0.001, request.deadline - time.monotonic())
         self._live[request.request_id] = live
         self.prompt_tokens_total += len(request.prompt_token_ids)
-        live.task = self._spawn(self._run(live, message, timeout), f"trtllm-grpc-{live.wire_id}")
+        live.task = self._tasks.spawn(self._run(live, message, timeout), f"trtllm-grpc-{live.wire_id}")
 
     def abort(self, request_id: str) -> bool:
         live = self._live.get(request_id)
@@ -135,7 +127,7 @@ class TrtllmGrpcBackend(Backend):
         if live.task is not None:
             live.task.cancel()
         if self._stub is not None and self._health is not HealthState.DEAD:
-            self._spawn(self._send_abort(live.wire_id), "trtllm-grpc-abort")
+            self._tasks.spawn(self._send_abort(live.wire_id), "trtllm-grpc-abort")
         return True
 
     async def _send_abort(self, wire_id: str) -> None:
