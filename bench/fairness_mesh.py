@@ -113,8 +113,8 @@ class Mesh:
             svc = r.hget(p + "stats", "svc")
             cap = r.get(p + "cap")
             return {"in_flight": int(r.zcard(p + "leases")), "queued": queued,
-                    # stored as "CAP:HEADROOM" (the slots dispatched freely, then those for tenants under share)
-                    "capacity": sum(int(x or 0) for x in cap.decode().split(":")) if cap else None,
+                    # stored as "CAP:HEADROOM:HOLD_MS" (slots dispatched freely, those for tenants under share)
+                    "capacity": sum(int(x or 0) for x in cap.decode().split(":")[:2]) if cap else None,
                     "lease_s": int(svc) / 1000 if svc else None}
         finally:
             r.close()

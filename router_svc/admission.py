@@ -223,7 +223,7 @@ class Admission:
         spec = ""
         if cap is not None:
             headroom = int(cap * self.settings.fair_headroom)
-            spec = f"{cap - headroom}:{headroom}"
+            spec = f"{cap - headroom}:{headroom}:{self.settings.slot_hold_ms}"
         return [self._classes_arg, spec, self.router_id, int(self.settings.lease_ttl * 1000), *rest]
 
     def call(self, script: str, *args: Any) -> asyncio.Future[Any]:

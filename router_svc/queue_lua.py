@@ -57,12 +57,14 @@ local ME, TTL = ARGV[3], tonumber(ARGV[4])
 -- ARGV[2] = "CAP:HEADROOM": requests dispatched freely, and the slots beyond them that only a tenant
 -- below its fair share of the whole pool may take (so a quiet tenant never waits behind a noisy one's
 -- full pool for a slot to free).
-local CAP, HEADROOM = 1000000000, 0                    -- never told: no bound of its own
+-- A third field, HOLD (ms), keeps the slot a tenant below its share just freed for its next request
+-- that long (it is between requests; without the hold the busiest tenant takes the slot at once).
+local CAP, HEADROOM, HOLD = 1000000000, 0, 0           -- never told: no bound of its own
 local cap_spec = ARGV[2]
 if cap_spec == '' then cap_spec = redis.call('GET', P .. 'cap') or '' end
 if cap_spec ~= '' then
-  local a, b = string.match(cap_spec, '^(%d+):?(%d*)$')
-  CAP, HEADROOM = tonumber(a), tonumber(b) or 0
+  local a, b, h = string.match(cap_spec, '^(%d+):?(%d*):?(%d*)$')
+  CAP, HEADROOM, HOLD = tonumber(a), tonumber(b) or 0, tonumber(h) or 0
 end
 
 local function store_cap()        -- by the periodic calls (BEAT, REAP): the reaper's dispatch uses it
@@ -212,8 +214,44 @@ local function under_share(T, w)
   return redis.call('ZCARD', P .. 'tl:' .. T) < CAP * w / total
 end
 
+-- Held slots (`hold` ZSET, and per tenant `hd:<T>`, members "T:tag" by expiry) count as taken.
+local function expire_holds()
+  for _, h in ipairs(redis.call('ZRANGEBYSCORE', P .. 'hold', '-inf', NOW, 'LIMIT', 0, 64)) do
+    redis.call('ZREM', P .. 'hold', h)
+    redis.call('ZREM', P .. 'hd:' .. tenant_of(h), h)
+  end
+end
+
+local function busy()
+  return redis.call('ZCARD', P .. 'leases') + redis.call('ZCARD', P .. 'hold')
+end
+
+local function take_hold(T)       -- use one of T's held slots; false if it holds none
+  local h = redis.call('ZRANGE', P .. 'hd:' .. T, 0, 0)[1]
+  if not h then return false end
+  redis.call('ZREM', P .. 'hd:' .. T, h)
+  redis.call('ZREM', P .. 'hold', h)
+  return true
+end
+
+local function give_hold(T, tag)
+  local h = T .. ':' .. tag
+  redis.call('ZADD', P .. 'hold', NOW + HOLD, h)
+  redis.call('ZADD', P .. 'hd:' .. T, NOW + HOLD, h)
+  redis.call('PEXPIRE', P .. 'hd:' .. T, HOLD * 4 + 1000)
+end
+
+local function someone_queued()
+  for _, c in ipairs(CLASSES) do
+    if redis.call('ZCARD', P .. 'cq:' .. c) > 0 then return true end
+  end
+  return false
+end
+
+-- Only call it right before granting T: it may use up one of T's held slots.
 local function room_for(T, w)
-  local inflight = redis.call('ZCARD', P .. 'leases')
+  if HOLD > 0 and take_hold(T) then return true end
+  local inflight = busy()
   if inflight < CAP then return true end
   return HEADROOM > 0 and inflight < CAP + HEADROOM and under_share(T, w)
 end
@@ -268,7 +306,7 @@ local function pick(inflight)
 end
 
 local function dispatch()
-  local inflight = redis.call('ZCARD', P .. 'leases')
+  local inflight = busy()
   local guard = 0
   while inflight < CAP + HEADROOM and guard < 256 do
     guard = guard + 1
@@ -323,6 +361,7 @@ local function drop_queued(m, why)
 end
 
 local function housekeeping()
+  expire_holds()
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'leases', '-inf', NOW, 'LIMIT', 0, 128)) do
     end_lease(m, tenant_of(m))   -- its owner stopped heartbeating: the capacity returns
     if redis.call('EXISTS', rk(m)) == 1 then
@@ -391,6 +430,7 @@ local function enqueue_one(A)
   local mi, mq, tpm, w, max_wait = tonumber(A[6]), tonumber(A[7]), tonumber(A[8]),
                                    tonumber(A[9]), tonumber(A[10])
   local T = tenant_of(m)
+  if HOLD > 0 then expire_holds() end
   local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'c')
   if rec[1] == 'q' or rec[1] == 'l' then
     if rec[2] == nonce then                     -- a retried submit: the same answer, nothing counted twice
@@ -438,6 +478,16 @@ local function enqueue_one(A)
   local queued_before = tenant_queued(T)
   if rec[1] then redis.call('DEL', rk(m)) end
   insert(m, T, c, cost, dl, ME, nonce, w)
+  -- its tenant holds a slot it just freed (it was between requests): the slot is this request's,
+  -- though others queued before it
+  if HOLD > 0 and redis.call('ZCARD', P .. 'hd:' .. T) > 0 and redis.call('ZCARD', P .. 'tl:' .. T) < mi
+      and (tpm <= 0 or rate_new > 0) then
+    local s, h = head(c, T)
+    if h == m and take_hold(T) then
+      if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, rate_new, 'PX', 120000) end
+      grant(m, c, T, math.max(s, vtime(c)))
+    end
+  end
   dispatch()
   local st = redis.call('HMGET', rk(m), 'st', 'f')
   local reply
@@ -498,6 +548,9 @@ local function settle_one(m, fence, actual, tpm, w)
       if n == 0 then svc = took else svc = svc * 0.9 + took * 0.1 end
       redis.call('HSET', P .. 'stats', 'svc', math.floor(svc), 'n', n + 1)
       end_lease(m, T)
+      if HOLD > 0 and tenant_queued(T) == 0 and someone_queued() and under_share(T, w) then
+        give_hold(T, fence)       -- between requests, below its share: keep its slot a moment
+      end
       status = 1
     else
       status = 2
@@ -507,6 +560,7 @@ local function settle_one(m, fence, actual, tpm, w)
   return status
 end
 
+if HOLD > 0 then expire_holds() end
 local out = {}
 local base = 6
 for _ = 1, tonumber(ARGV[5]) do

@@ -15,7 +15,7 @@ from router_svc.ports import AdmitRequest
 def settings(url: str, **kw: Any) -> AdmissionSettings:
     values: dict[str, Any] = {"redis_url": url, "pool": uuid.uuid4().hex[:12], "pool_capacity": 2,
                               "lease_ttl": 5.0, "queue_poll": 0.2, "reap_interval": 0.05,
-                              "fair_headroom": 0.0, **kw}
+                              "fair_headroom": 0.0, "slot_hold_ms": 0, **kw}
     return AdmissionSettings(**values)
 
 

@@ -152,3 +152,24 @@ async def test_the_headroom_lets_a_quiet_tenant_start_at_once_beside_a_full_pool
         assert third.grant is not None
     finally:
         await a.close()
+
+
+async def test_a_tenant_below_its_share_keeps_the_slot_it_freed_for_its_next_request(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=4, slot_hold_ms=300)
+    try:
+        noisy = [await a.admit(req("noisy", f"n{i}")) for i in range(3)]
+        quiet = await a.admit(req("quiet", "q1"))
+        backlog = [await a.admit(req("noisy", f"b{i}")) for i in range(5)]   # queued: the pool is full
+        assert quiet.grant is not None and all(x.grant is None for x in backlog)
+        await quiet.grant.settle_tokens(10)      # quiet is between requests: its slot is held...
+        assert all(x.grant is None for x in backlog)
+        again = await a.admit(req("quiet", "q2"))
+        assert again.grant is not None           # ...and its next request takes it, ahead of the backlog
+        await again.grant.settle_tokens(10)
+        # not coming back: after the hold, the slot goes to the queue
+        await asyncio.wait_for(backlog[0].next(), 5)
+        assert backlog[0].grant is not None
+        for x in noisy:
+            await x.grant.settle_tokens(1)
+    finally:
+        await a.close()
