@@ -59,10 +59,11 @@ class AdmissionSettings(Section):
                                  "starts at once while a noisy tenant keeps the rest of the pool full. It costs "
                                  "that share of the engines when one tenant alone saturates them (0 = off; "
                                  "see docs/admission.md)")
-    slot_hold_ms: int = Field(20, ge=0, le=1000, description="while others are queued, a tenant below its fair "
-                              "share keeps the slot its request just freed this long for its next request "
-                              "(closed-loop clients come back within milliseconds; without the hold the "
-                              "busiest tenant takes every slot that frees); 0 = off")
+    slot_hold_ms: int = Field(50, ge=0, le=1000, description="while others are queued, a tenant below its fair "
+                              "share, or whose request outranks every queued class, keeps the slot its request "
+                              "just freed this long for its next request (closed-loop clients come back within "
+                              "milliseconds; without the hold the busiest tenant, or the batch class, takes "
+                              "every slot that frees); 0 = off")
     kv_high_water: float = Field(0.95, gt=0, le=1, description="a replica whose KV cache is this full takes "
                                  "no more than it runs now")
     unknown_replica_capacity: int = Field(32, ge=1, le=100_000, description="batch size assumed for a serving "

@@ -529,6 +529,26 @@ return out
 # capacity already returned) | 3 settled already | 0 stale or unknown}, then the grants of the
 # dispatch that follows (once, for all of them).
 SETTLE = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+-- Nothing queued in class c or above, and no queued lower class below its minimum share: a request
+-- of class c that just ended may keep its slot for its tenant's next one (priority between requests).
+local function outranks_queue(c)
+  local lower = {}
+  for _, cc in ipairs(CLASSES) do
+    if redis.call('ZCARD', P .. 'cq:' .. cc) > 0 then
+      if RANK[cc] <= RANK[c] then return false end
+      lower[#lower + 1] = cc
+    end
+  end
+  if #lower == 0 then return false end
+  local served = decay()
+  local total = 0
+  for _, cc in ipairs(CLASSES) do total = total + served[cc] end
+  for _, cc in ipairs(lower) do
+    if SHARE[cc] > 0 and served[cc] < SHARE[cc] * total then return false end
+  end
+  return true
+end
+
 local function settle_one(m, fence, actual, tpm, w)
   local rec = redis.call('HMGET', rk(m), 'st', 'f', 'c', 'cost', 'tg')
   local T = tenant_of(m)
@@ -548,8 +568,9 @@ local function settle_one(m, fence, actual, tpm, w)
       if n == 0 then svc = took else svc = svc * 0.9 + took * 0.1 end
       redis.call('HSET', P .. 'stats', 'svc', math.floor(svc), 'n', n + 1)
       end_lease(m, T)
-      if HOLD > 0 and tenant_queued(T) == 0 and someone_queued() and under_share(T, w) then
-        give_hold(T, fence)       -- between requests, below its share: keep its slot a moment
+      if HOLD > 0 and tenant_queued(T) == 0 and someone_queued()
+          and (under_share(T, w) or outranks_queue(rec[3])) then
+        give_hold(T, fence)       -- between requests, below its share or above every queued class
       end
       status = 1
     else

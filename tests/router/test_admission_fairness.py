@@ -173,3 +173,21 @@ async def test_a_tenant_below_its_share_keeps_the_slot_it_freed_for_its_next_req
             await x.grant.settle_tokens(1)
     finally:
         await a.close()
+
+
+async def test_a_request_above_every_queued_class_keeps_its_slot_for_its_tenant(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=2, slot_hold_ms=300,
+                  queue_classes="interactive:0:100,standard:0:100,batch:0:100")
+    try:
+        chat = [await a.admit(req("chat", f"c{i}", priority=3)) for i in range(2)]
+        batch = [await a.admit(req("offline", f"b{i}", priority=1)) for i in range(3)]
+        assert all(x.grant is None for x in batch)
+        await chat[0].grant.settle_tokens(10)        # the chat tenant is between requests...
+        again = await a.admit(req("chat", "c2", priority=3))
+        assert again.grant is not None               # ...its next one gets the slot, not the batch backlog
+        for x in (chat[1], again):
+            await x.grant.settle_tokens(1)
+        await asyncio.wait_for(batch[0].next(), 5)   # not coming back: the batch class is served
+        assert batch[0].grant is not None
+    finally:
+        await a.close()
