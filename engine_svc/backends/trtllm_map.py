@@ -3,7 +3,7 @@ iteration stats and KV-cache event dicts in, `IterationStats` / `KvEvent` out; f
 the model's end and extra EOS ids; the `SamplingParams` keyword arguments of a request.
 
 The dict shapes are those of ``get_stats_async`` / ``get_kv_cache_events_async`` documented in
-``../shared/docs/trtllm-api.md`` (camelCase stats keys; events ``{"event_id", "window_size",
+TensorRT-LLM's LLM API reference (camelCase stats keys; events ``{"event_id", "window_size",
 "data": {"type": ...}}``). Some versions hand stats over as JSON strings: both are read.
 """
 
