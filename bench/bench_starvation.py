@@ -409,7 +409,10 @@ async def run(args: argparse.Namespace, work: pathlib.Path) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_starvation.py", description=__doc__.splitlines()[0])
     p.add_argument("--systems", default="monolith,mesh1,mesh2", help="comma list: monolith, meshN")
-    p.add_argument("--tokenizer", default="", help="tokenizer.json or its dir (default: the development data's Llama 2 tokenizer, $TOKENRELAY_SHARED_DATA/tokenizers/llama2, when present; else pass one, e.g. the byte tokenizer `tokenrelay up --engine sim` builds)")
+    p.add_argument("--tokenizer", default="",
+                   help="tokenizer.json or its dir (default: the development data's Llama 2 tokenizer, "
+                        "$TOKENRELAY_SHARED_DATA/tokenizers/llama2, when present; else pass one, e.g. the byte "
+                        "tokenizer `tokenrelay up --engine sim` builds)")
     p.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals (the measured window)")
     p.add_argument("--load", type=float, default=1.2, help="offered load as a multiple of engine capacity")
     p.add_argument("--rate", type=float, default=0.0, help="requests/s (overrides --load)")

@@ -2,8 +2,8 @@
 the `LLM(...)` constructor's arguments. Importing this module needs no tensorrt_llm: the engine's
 settings and `--help` load it on a base install.
 
-The knobs are the ones that decide a deployment's throughput and memory (see
-TensorRT-LLM's LLM API reference, `LlmArgs` and `KvCacheConfig`): batch and token budgets, the KV cache's share of free GPU memory
+The knobs are the ones that decide a deployment's throughput and memory (see TensorRT-LLM's LLM
+API reference, `LlmArgs` and `KvCacheConfig`): batch and token budgets, the KV cache's share of free GPU memory
 and its precision, chunked prefill, the capacity scheduler's policy, tensor parallelism and the
 KV-event buffer. KV block reuse is always on (prefix caching is the point of a prefix-aware
 router); ``event_buffer_size`` 0 turns KV events off.
