@@ -312,8 +312,10 @@ class Admission:
             return self._fail_open(req, cls, exc)
         except BaseException:
             self.book.waiting.pop(member, None)
-            fut.add_done_callback(lambda done: done.cancelled() or done.exception() is not None
-                                  or self._withdraw_after(done.result(), waiter))
+            def withdraw(done: asyncio.Future[list[Any]]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._withdraw_after(done.result(), waiter)
+            fut.add_done_callback(withdraw)
             raise
         status, value, extra = int(reply[0]), reply[1], int(reply[2])
         if status == 1:

@@ -13,7 +13,7 @@ import itertools
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -251,7 +251,8 @@ class EngineReplica:
         self.mux.post("submit", engine_pb2.EngineRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=params, eos_token_ids=eos_ids,
             cache_salt=cache_salt, trace_context=trace_context,
-            timeout_ms=max(1, int(timeout * 1000)) if timeout > 0 else 0, priority=priority))
+            timeout_ms=max(1, int(timeout * 1000)) if timeout > 0 else 0,
+            priority=cast(common_pb2.Priority, priority)))
         return queue
 
     def abort(self, request_id: str) -> None:
