@@ -20,7 +20,7 @@ import pytest
 
 from services.channels import open_channel
 from services.client import Client
-from services.proto.tokenrelay.v1 import inference_pb2, inference_pb2_grpc
+from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.meshkit import start_mesh, stop_mesh
 from tests.waiting import poll
 from tokenrelay_tools.cli.preflight import bind_failure
@@ -161,11 +161,12 @@ async def test_chat_ends_at_the_end_of_input_and_a_raw_request_gets_the_default_
             text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "[length, 3 tokens]" in out.stdout
-        # A raw gRPC request with no sampling at all: served with the router's --default-max-tokens
-        # (256; the sim engine never stops early), where it used to be INVALID_MAX_TOKENS.
+        # A raw gRPC request that sets no max_tokens: served with the router's --default-max-tokens
+        # (256), where it used to be INVALID_MAX_TOKENS. ignore_eos: the sim may draw an EOS earlier.
         async with open_channel(mesh.address) as channel:
             call = inference_pb2_grpc.InferenceStub(channel).Generate(
-                inference_pb2.GenerateRequest(prompt="Once upon a time"),
+                inference_pb2.GenerateRequest(prompt="Once upon a time",
+                                              sampling=common_pb2.SamplingParams(ignore_eos=True)),
                 metadata=(("authorization", f"Bearer {mesh.api_key}"),), timeout=60)
             events = [msg async for msg in call]
         assert events[-1].WhichOneof("event") == "done", events[-1]
