@@ -21,7 +21,6 @@ request this process holds; scripts reload themselves after NOSCRIPT (restart, S
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -409,7 +408,3 @@ def pool_capacity(snapshots: Any, factor: float, kv_high_water: float, unknown: 
             slots = min(slots, float(s.active))
         total += slots
     return int(total + 0.5) if total else 0
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

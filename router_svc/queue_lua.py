@@ -241,6 +241,11 @@ local function give_hold(T, tag)
   redis.call('PEXPIRE', P .. 'hd:' .. T, HOLD * 4 + 1000)
 end
 
+local function depths(out)        -- queued requests per class, appended to a reply
+  for _, c in ipairs(CLASSES) do out[#out + 1] = redis.call('ZCARD', P .. 'cq:' .. c) end
+  return out
+end
+
 local function someone_queued()
   for _, c in ipairs(CLASSES) do
     if redis.call('ZCARD', P .. 'cq:' .. c) > 0 then return true end
@@ -625,8 +630,7 @@ return reply
 BEAT = "#!lua flags=allow-oom\n" + PRELUDE + r"""
 store_cap()
 housekeeping()
-local out = {}
-for _, c in ipairs(CLASSES) do out[#out + 1] = redis.call('ZCARD', P .. 'cq:' .. c) end
+local out = depths({})
 local i = 6
 for _ = 1, tonumber(ARGV[5]) do
   local m, fence, c, cost = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
@@ -682,8 +686,7 @@ REAP = "#!lua flags=allow-oom\n" + PRELUDE + r"""
 store_cap()
 housekeeping()
 dispatch()
-local out = {}
-for _, c in ipairs(CLASSES) do out[#out + 1] = redis.call('ZCARD', P .. 'cq:' .. c) end
+local out = depths({})
 for _, g in ipairs(GRANTS) do out[#out + 1] = g end
 return out
 """
