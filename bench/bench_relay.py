@@ -200,7 +200,8 @@ def start_mesh(args: argparse.Namespace, procs: Procs) -> Mesh:
         "--sim-num-blocks", "1000000"]
     eng_names = [role_name("engine", i, args.engines) for i in range(args.engines)]
     eng_ports = [procs.service(name, "engine_svc", [
-        "--backend", "sim", "--max-queued", "100000", "--sim-vocab-size", str(VOCAB), *sim, *args.engine_arg],
+        "--backend", "sim", "--max-queued", "100000", "--sim-vocab-size", "259", "--sim-sample-ids-below", str(VOCAB),
+        *sim, *args.engine_arg],
         cpu_share(eng_cpus, i, args.engines)) for i, name in enumerate(eng_names)]
     tenants = procs.work / "tenants.yaml"
     tenants.write_text("tenants:\n  - name: bench\n"

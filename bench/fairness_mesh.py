@@ -78,7 +78,8 @@ class Mesh:
                                    str(sock), "--save", "", "--appendonly", "no", "--dir", str(work)],
                          self.cpus.redis)
         tok = self.procs.service("tokenizer", "tokenizer_svc", ["--tokenizer", str(tokenizer)], self.cpus.tokenizer)
-        sim = ["--backend", "sim", "--max-queued", "100000", "--sim-vocab-size", str(VOCAB),
+        sim = ["--backend", "sim", "--max-queued", "100000", "--sim-vocab-size", "259",
+               "--sim-sample-ids-below", str(VOCAB),
                "--sim-profile", args.profile, "--sim-max-batch-size", str(args.batch),
                "--sim-time-scale", str(args.time_scale), *args.engine_arg]
         engs = [self.procs.service(f"engine{i}", "engine_svc", sim, cpu_share(self.cpus.engines, i, args.engines))

@@ -81,6 +81,9 @@ class Engine:
     def drain(self) -> None:
         """Refuse new requests from now on; streams end once their requests have finished."""
         self.draining = True
+        # KV-event subscriptions end now: an open one would otherwise hold the server (and its
+        # shutdown grace) until it expires; a draining engine's cache is no reason to route to it.
+        self.backend.close_kv_events()
         self._notify()
 
     def on_health_change(self, wake: Callable[[], None]) -> Callable[[], None]:

@@ -21,23 +21,14 @@ log = get_logger(__name__)
 
 # ---------------------------------------------------------------------------------------- engines
 class EnginesAdapter:
-    """`ports.EngineStream` over `upstreams.EnginePool`."""
+    """`ports.EngineStream` over `upstreams.EnginePool` (whose membership changes at runtime: every
+    call goes to the pool, which knows the replicas of now)."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
-        self._by_address = {r.address: r for r in pool.replicas}
 
     def snapshots(self) -> Sequence[ReplicaSnapshot]:
-        if hasattr(self.pool, "snapshots"):
-            return self.pool.snapshots()  # type: ignore[no-any-return]
-        out = []
-        for r in self.pool.replicas:
-            load = r.load
-            out.append(ReplicaSnapshot(
-                r.address, healthy=r.healthy, serving=bool(getattr(r, "serving", getattr(load, "serving", True))),
-                in_flight=r.in_flight, queued=load.queued, active=load.active, max_active=load.max_active,
-                kv_used=load.kv_used, kv_total=load.kv_total))
-        return out
+        return self.pool.snapshots()  # type: ignore[no-any-return]
 
     @property
     def max_context(self) -> int:
@@ -46,18 +37,17 @@ class EnginesAdapter:
     def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling,
                eos_ids: list[int], cache_salt: str, trace_context: dict[str, str], *,
                timeout: float = 0.0, priority: int = 0) -> ChunkSource:
-        replica = self._by_address[address]
-        return replica.submit(request_id, prompt, sampling, eos_ids, cache_salt,  # type: ignore[no-any-return]
-                              trace_context, timeout=timeout, priority=priority)
+        return self.pool.submit(address, request_id, prompt, sampling, eos_ids,  # type: ignore[no-any-return]
+                                cache_salt, trace_context, timeout=timeout, priority=priority)
 
     def abort(self, address: str, request_id: str) -> None:
-        self._by_address[address].abort(request_id)
+        self.pool.abort(address, request_id)
 
     def release(self, address: str, request_id: str) -> None:
-        self._by_address[address].release(request_id)
+        self.pool.release(address, request_id)
 
     def mark_failed(self, address: str) -> None:
-        self.pool.mark_failed(self._by_address[address])
+        self.pool.mark_failed(address)
 
 
 # ------------------------------------------------------------------------------------ detokenizer
@@ -110,7 +100,8 @@ class NoGate:
 def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeout: float = 600.0,
                  engine_attempts: int = 2, progress_timeout: float = 10.0, bounds: Any = None,
                  registry: Any = None, affinity: Any = None, gate: Any = None, placement: Any = None,
-                 default_max_queued: int = 256) -> Any:
+                 default_max_queued: int = 256, engine_migrations: int = 2, pools: Any = None,
+                 shadow: Any = None) -> Any:
     """A `pipeline.Router` over the concrete upstreams (`TokenizerUpstream`, `EnginePool`) and the
     admission queue (`admission.Admission`, a `ports.Admission` itself); registry / affinity /
     gate / placement default to the in-process ones. `app.py` and the tests wire through this."""
@@ -124,6 +115,6 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
         admission.use_engines(engine_port.snapshots)
     ports = Ports(tokenizer, DetokenizeAdapter(tokenizer), engine_port, admission,
                   placement or LeastLoaded(), affinity or LocalSessionAffinity(),
-                  registry or LocalRequestRegistry(), gate or NoGate())
+                  registry or LocalRequestRegistry(), gate or NoGate(), pools, shadow)
     return Router(ports, RouterOptions(request_timeout, engine_attempts, progress_timeout, bounds or DEFAULT_BOUNDS,
-                                       default_max_queued))
+                                       default_max_queued, engine_migrations))

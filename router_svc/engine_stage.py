@@ -8,12 +8,27 @@ ENGINE_UNAVAILABLE) or silence for `progress_timeout` seconds is retried on anot
 to `attempts` replicas in all, and never reaches the client. After the first token a failure ends
 the request (a stall beyond `progress_timeout` as ENGINE_STALLED, retryable by the client).
 The stage's result reaches the delta loop through the detokenizer: tokens, or `detok.fail(error)`.
+
+After the first token, a replica that breaks or stalls is recovered by migration (up to
+`migrations` times): the prompt plus every token generated so far is submitted to another
+replica with the remaining token budget, and the detokenizer keeps receiving tokens as if
+nothing happened; `state.migrations` tells the delta loop to send the client a `Migrated` event.
+Greedy output is identical to an uninterrupted run; a sampled request continues as a valid sample
+(not the one the first replica would have drawn; a seed no longer reproduces it).
+
+Pools and placement: `pools` (a `PoolSelector`) picks the request's engine pool before its first
+placement; the policy sees only that pool's replicas. The prefix index (when the policy keeps
+one) learns each placement. A session whose replica is gone, unavailable or saturated moves; the
+move is counted (`tokenrelay_router_session_moves_total`) and logged. `shadow` (a `Shadow`) hears
+when the primary is placed and when it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -22,7 +37,19 @@ from services.errors import Reason, TokenrelayError, in_band_error
 from services.logging import get_logger
 from services.tracing import inject, tracer
 
-from .ports import ChunkSource, DetokSessionPort, EngineStream, Placement, PlacementView, SessionAffinity
+from .metrics_routing import MIGRATIONS, ROUTE_SECONDS, ROUTED, SESSION_MOVES
+from .ports import (
+    ChunkSource,
+    DetokSessionPort,
+    EngineStream,
+    Placement,
+    PlacementView,
+    PoolSelector,
+    ReplicaSnapshot,
+    SessionAffinity,
+    Shadow,
+)
+from .prefix_index import PrefixIndex
 from .request import RequestState
 from .types import EngineChunk
 
@@ -51,6 +78,14 @@ class EngineStage:
     affinity: SessionAffinity
     attempts: int = 2
     progress_timeout: float = 10.0
+    migrations: int = 2
+    pools: PoolSelector | None = None
+    shadow: Shadow | None = None
+
+    def __post_init__(self) -> None:
+        index = getattr(self.placement, "index", None)
+        self.index: PrefixIndex | None = index if isinstance(index, PrefixIndex) else None
+        self.policy_name: str = getattr(self.placement, "name", type(self.placement).__name__)
 
     async def run(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
                   trace_ctx: Context | None = None) -> None:
@@ -58,11 +93,16 @@ class EngineStage:
         try:
             await self._attempts(state, detok, eos, trace_ctx)
         except TokenrelayError as exc:
+            state.error = exc
             detok.fail(exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the request, never swallowed
-            detok.fail(Reason.ENGINE_ERROR.error(f"engine stage failed: {exc!r}"))
+            state.error = Reason.ENGINE_ERROR.error(f"engine stage failed: {exc!r}")
+            detok.fail(state.error)
+        finally:
+            if self.shadow is not None and state.attempts:
+                self.shadow.finished(state)
 
     async def _attempts(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
                         trace_ctx: Context | None) -> None:
@@ -76,30 +116,66 @@ class EngineStage:
                 return
             except _Retry as retry:
                 self.engines.release(address, state.upstream_id)
-                if state.first_token_seen or len(state.attempts) >= self.attempts or state.is_cancelled:
-                    raise retry.error from None
                 if retry.broken:
                     self.engines.mark_failed(address)
+                if state.is_cancelled:
+                    raise retry.error from None
+                if state.first_token_seen:
+                    self._migrate(state, address, retry.error)
+                elif len(state.attempts) >= self.attempts:
+                    raise retry.error from None
                 state.last_error = retry.error
                 log.warning("engine_retry", request_id=state.request_id, failed=address,
-                            reason=retry.error.reason)
+                            reason=retry.error.reason, tokens_so_far=len(state.generated))
+
+    def _migrate(self, state: RequestState, address: str, error: TokenrelayError) -> None:
+        """After the first token: move on with what was generated, or give up with `error`."""
+        left = state.inp.sampling.max_tokens - len(state.generated)
+        if state.migrations >= self.migrations or left <= 0 or state.remaining() <= 0:
+            raise error
+        state.migrations += 1
+        state.migration_reason = error.reason
+        state.migration_tokens = len(state.generated)
+        MIGRATIONS.labels(error.reason).inc()
+        log.warning("request_migrating", request_id=state.request_id, failed=address, reason=error.reason,
+                    tokens_so_far=len(state.generated), migrations=state.migrations)
 
     async def _view(self, state: RequestState) -> PlacementView:
         session = state.inp.session_id
         sticky = await self.affinity.get(state.tenant, session) if session else ""
-        return PlacementView(state.tenant, session, len(state.prompt_ids), sticky)
+        if self.pools is not None and not state.pool:
+            state.pool = self.pools.choose(state.tenant, session, state.request_id)
+        return PlacementView(state.tenant, session, len(state.prompt_ids), sticky, state.pool,
+                             state.prompt_ids, state.tenant, state.inp.sampling.max_tokens)
 
     def _place(self, state: RequestState, view: PlacementView, trace_ctx: Context | None) -> str:
         with _tracer.start_as_current_span("route", context=trace_ctx) as span:
+            t0 = time.perf_counter()
+            snapshots = self.engines.snapshots()
+            if state.generated:     # a migration: the new replica prefills prompt + generated
+                view = replace(view, prompt_ids=[*state.prompt_ids, *state.generated], sticky="",
+                               prompt_tokens=len(state.prompt_ids) + len(state.generated),
+                               max_tokens=state.inp.sampling.max_tokens - len(state.generated))
             try:
-                address = self.placement.choose(self.engines.snapshots(), view, frozenset(state.attempts))
+                address = self.placement.choose(snapshots, view, frozenset(state.attempts))
             except TokenrelayError:
                 if state.last_error is not None:  # nowhere left: the client hears why the last one failed
                     raise state.last_error from None
                 raise
+            index = self.index
+            if index is not None:
+                hit = bool(index.match(view.prompt_ids, [address], view.cache_salt))
+                index.placed(address, view.prompt_ids, view.cache_salt)
+                ROUTED.labels(self.policy_name, "hit" if hit else "miss").inc()
+            ROUTE_SECONDS.labels(self.policy_name).observe(time.perf_counter() - t0)
             span.set_attribute("tokenrelay.replica", address)
+        if view.sticky and address != view.sticky:
+            _session_moved(state, view.sticky, snapshots)
+        first = not state.attempts
         state.replica = address
         state.attempts.append(address)
+        if first and self.shadow is not None:
+            self.shadow.started(state)
         return address
 
     async def _attempt(self, state: RequestState, address: str, detok: DetokSessionPort, eos: list[int],
@@ -107,8 +183,14 @@ class EngineStage:
         phase = _tracer.start_span("prefill", context=trace_ctx)
         prefilling = True
         watchdog = _Watchdog(self.progress_timeout)
+        sampling = state.inp.sampling
+        prompt = state.prompt_ids
+        if state.generated:     # migrated: continue from everything already streamed
+            prompt = [*prompt, *state.generated]
+            sampling = replace(sampling, max_tokens=sampling.max_tokens - len(state.generated))
+        state.engine_done = False     # a new attempt: its work is there to abort until it ends
         try:
-            source = self.engines.submit(address, state.upstream_id, state.prompt_ids, state.inp.sampling, eos,
+            source = self.engines.submit(address, state.upstream_id, prompt, sampling, eos,
                                          state.tenant, inject(trace.set_span_in_context(phase)),
                                          timeout=state.remaining(), priority=state.priority)
             while True:
@@ -118,12 +200,14 @@ class EngineStage:
                     phase, prefilling = _tracer.start_span("decode", context=trace_ctx), False
                 if chunk.error_reason:
                     self._engine_error(state, chunk)
-                if chunk.cached_tokens:
+                if chunk.cached_tokens and not state.migrations:
                     state.usage.cached_tokens = chunk.cached_tokens
                 state.generated.extend(chunk.token_ids)
                 if chunk.finished:
                     state.engine_done = True
                     state.finish_reason = chunk.finish_reason or "length"
+                    if self.index is not None:   # what the replica now caches (history-fed replicas)
+                        self.index.finished(address, [*state.prompt_ids, *state.generated], state.tenant)
                 detok.send(chunk.token_ids, final=chunk.finished)
                 if chunk.finished:
                     return
@@ -141,9 +225,9 @@ class EngineStage:
                 raise
             self.engines.abort(address, state.upstream_id)
             if state.first_token_seen:
-                state.engine_done = True   # aborted: nothing left to abort
-                raise Reason.ENGINE_STALLED.error(
-                    f"engine {address} sent nothing for {self.progress_timeout:g} s") from None
+                state.engine_done = True   # aborted: nothing left to abort (a migration starts afresh)
+                raise _Retry(Reason.ENGINE_STALLED.error(
+                    f"engine {address} sent nothing for {self.progress_timeout:g} s"), broken=True) from None
             raise _Retry(Reason.ENGINE_STALLED.error(
                 f"engine {address} sent nothing for {self.progress_timeout:g} s before the first token"),
                 broken=True) from None
@@ -156,11 +240,27 @@ class EngineStage:
 
     def _engine_error(self, state: RequestState, chunk: EngineChunk) -> None:
         error = in_band_error(chunk.error_reason, chunk.error_message, Reason.ENGINE_ERROR)
-        if error.retryable and not state.first_token_seen:
-            # The engine ended this attempt (e.g. OVERLOADED, draining): healthy, just refusing.
-            raise _Retry(error, broken=error.reason in _REPLICA_DOWN)
+        down = error.reason in _REPLICA_DOWN
+        if error.retryable and (down or not state.first_token_seen):
+            # The engine ended this attempt (e.g. OVERLOADED, draining): healthy, just refusing; or
+            # its backend stopped mid-stream (migrated, like a broken stream).
+            raise _Retry(error, broken=down)
         state.engine_done = True
         raise error
+
+
+def _session_moved(state: RequestState, held: str, snapshots: Sequence[ReplicaSnapshot]) -> None:
+    snap = next((s for s in snapshots if s.address == held), None)
+    if snap is None:
+        why = "gone"
+    elif held in state.attempts:
+        why = "retry"
+    elif not (snap.healthy and snap.serving):
+        why = "unavailable"
+    else:
+        why = "saturated"
+    SESSION_MOVES.labels(why).inc()
+    log.info("session_moved", session_id=state.inp.session_id, tenant=state.tenant, reason=why)
 
 
 class _Watchdog:

@@ -1,43 +1,215 @@
-"""Placement: a pure policy over replica snapshots, and the in-process session affinity.
+"""Placement: policies over replica snapshots, and the in-process session affinity.
 
-`LeastLoaded.choose`: a replica that is unhealthy, not serving (draining, backend stopped) or
-excluded (already tried by this request) never gets new work. Among the rest, the session's
-sticky replica wins (its prefix cache holds the conversation); otherwise the least outstanding
-work: this router's in-flight plus the engine's queue, then its active count, then KV use.
+Every policy sees the same eligible set: a replica that is unhealthy (its breaker open), not
+serving (draining, backend stopped), excluded (already tried by this request) or outside the
+request's pool never gets new work. The session's sticky replica wins unless it is saturated
+(its batch full with requests waiting, or its KV cache above the high-water mark): the session
+then moves, and the engine stage records the move.
+
+Policies (`--routing-policy`):
+- `least-loaded`: the least outstanding work — this router's in-flight plus the engine's queue,
+  then its active count, then KV use.
+- `round-robin`, `random`: baselines.
+- `session`: sticky by session, else round-robin (no load or cache knowledge).
+- `prefix` (`PrefixAware`): the replica that minimizes estimated work before the first token:
+  the prompt tokens it would have to prefill (the prompt minus the longest cached prefix the
+  `PrefixIndex` knows it holds), plus `load_cost` tokens per request the new one would wait behind
+  (beyond the engine's batch) and `run_cost` per request running there (each shares every step) —
+  and one more `load_cost` when its free KV blocks cannot hold the uncached prompt and the reply —
+  never a cache hit at any price: a replica with more requests than the balance bound allows
+  (`balance_rel` × the least loaded one's, or that plus `balance_abs`) is not a candidate.
 """
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.errors import Reason
 
 from .ports import PlacementView, ReplicaSnapshot
+from .prefix_index import PrefixIndex
+
+KV_HIGH_WATER = 0.95
 
 
-def _eligible(s: ReplicaSnapshot, exclude: frozenset[str]) -> bool:
-    return s.healthy and s.serving and s.address not in exclude
+def eligible(snapshots: Sequence[ReplicaSnapshot], request: PlacementView,
+             exclude: frozenset[str]) -> list[ReplicaSnapshot]:
+    """The replicas that may get this request; raises NO_HEALTHY_REPLICA when there is none."""
+    pool = request.pool
+    candidates = [s for s in snapshots if s.healthy and s.serving and s.address not in exclude
+                  and (not pool or s.pool == pool)]
+    if not candidates:
+        where = f" in pool {pool!r}" if pool else ""
+        raise Reason.NO_HEALTHY_REPLICA.error(f"no healthy, serving engine replica{where}")
+    return candidates
+
+
+def outstanding(s: ReplicaSnapshot) -> int:
+    """Requests waiting for or holding the replica: this router's in flight plus the engine's queue."""
+    return s.in_flight + s.queued
+
+
+def kv_fraction(s: ReplicaSnapshot) -> float:
+    return s.kv_used / s.kv_total if s.kv_total else 0.0
+
+
+def saturated(s: ReplicaSnapshot, kv_high: float = KV_HIGH_WATER) -> bool:
+    """Its batch is full with requests waiting, or its KV cache is nearly full."""
+    batch_full = s.max_active > 0 and s.active >= s.max_active and s.queued > 0
+    return batch_full or kv_fraction(s) >= kv_high
+
+
+def sticky_choice(candidates: Sequence[ReplicaSnapshot], request: PlacementView) -> str:
+    """The session's replica if it is a candidate and not saturated, else ""."""
+    if request.sticky:
+        for s in candidates:
+            if s.address == request.sticky:
+                return "" if saturated(s) else s.address
+    return ""
 
 
 def _load(s: ReplicaSnapshot) -> tuple[float, int, float]:
-    kv = s.kv_used / s.kv_total if s.kv_total else 0.0
-    return (s.in_flight + s.queued, s.active, kv)
+    return (outstanding(s), s.active, kv_fraction(s))
 
 
 class LeastLoaded:
-    """The default `ports.Placement`."""
+    """The default `ports.Placement` until prefix-aware routing is chosen."""
+
+    name = "least-loaded"
 
     def choose(self, snapshots: Sequence[ReplicaSnapshot], request: PlacementView,
                exclude: frozenset[str] = frozenset()) -> str:
-        candidates = [s for s in snapshots if _eligible(s, exclude)]
-        if not candidates:
-            raise Reason.NO_HEALTHY_REPLICA.error("no healthy, serving engine replica")
-        if request.sticky:
-            for s in candidates:
-                if s.address == request.sticky:
-                    return s.address
-        return min(candidates, key=_load).address
+        candidates = eligible(snapshots, request, exclude)
+        return sticky_choice(candidates, request) or min(candidates, key=_load).address
+
+
+class RoundRobin:
+    """A baseline: the next eligible replica in address order (sticky sessions honoured)."""
+
+    name = "round-robin"
+
+    def __init__(self, honour_sessions: bool = False) -> None:
+        self._counter = itertools.count()
+        self._sessions = honour_sessions
+
+    def choose(self, snapshots: Sequence[ReplicaSnapshot], request: PlacementView,
+               exclude: frozenset[str] = frozenset()) -> str:
+        candidates = sorted(eligible(snapshots, request, exclude), key=lambda s: s.address)
+        if self._sessions:
+            held = sticky_choice(candidates, request)
+            if held:
+                return held
+        return candidates[next(self._counter) % len(candidates)].address
+
+
+class SessionOnly(RoundRobin):
+    """A baseline: sticky by session, else round-robin; no load or cache knowledge."""
+
+    name = "session"
+
+    def __init__(self) -> None:
+        super().__init__(honour_sessions=True)
+
+
+class Random:
+    """A baseline: a uniformly random eligible replica."""
+
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, snapshots: Sequence[ReplicaSnapshot], request: PlacementView,
+               exclude: frozenset[str] = frozenset()) -> str:
+        return self._rng.choice(eligible(snapshots, request, exclude)).address
+
+
+@dataclass
+class PrefixWeights:
+    load_cost: float = 256.0     # prompt tokens of prefill one request waiting ahead (batch full) is worth
+    run_cost: float = 16.0       # ... and one request running there (it shares every step)
+    balance_rel: float = 1.25    # a candidate's requests ≤ max(rel × least, least + abs)
+    balance_abs: int = 2
+    kv_high: float = KV_HIGH_WATER
+
+
+def requests_on(s: ReplicaSnapshot) -> int:
+    """Requests on the replica as best known: the engine's running + queued (every router's), or this
+    router's in flight when that is more (the engine's report lags)."""
+    return max(s.active + s.queued, s.in_flight)
+
+
+def waiting_ahead(s: ReplicaSnapshot) -> int:
+    """Requests a new one would wait behind: beyond the engine's batch (unknown batch: none)."""
+    if not s.max_active:
+        return s.queued
+    return max(s.queued, requests_on(s) + 1 - s.max_active, 0)
+
+
+class PrefixAware:
+    """Prefix-cache-aware placement weighed against load (module doc). `index` is read only here;
+    the engine stage records placements in it and the KV-event subscribers keep it current."""
+
+    name = "prefix"
+
+    def __init__(self, index: PrefixIndex, weights: PrefixWeights | None = None) -> None:
+        self.index = index
+        self.w = weights or PrefixWeights()
+
+    def choose(self, snapshots: Sequence[ReplicaSnapshot], request: PlacementView,
+               exclude: frozenset[str] = frozenset()) -> str:
+        candidates = eligible(snapshots, request, exclude)
+        held = sticky_choice(candidates, request)
+        if held:
+            return held
+        w = self.w
+        prompt_len = request.prompt_tokens or len(request.prompt_ids)
+        tpb = self.index.tokens_per_block
+        depths = self.index.match(request.prompt_ids, [s.address for s in candidates], request.cache_salt)
+
+        def cached(s: ReplicaSnapshot) -> int:
+            return min(depths.get(s.address, 0) * tpb, max(0, prompt_len - 1))
+
+        def kv_short(s: ReplicaSnapshot) -> int:
+            """1 if its free KV blocks cannot hold what the request still needs (it would wait for a
+            running request to end), else 0."""
+            if not s.kv_total:
+                return 0
+            need = -(-(prompt_len - cached(s) + request.max_tokens) // max(1, s.tokens_per_block or tpb))
+            return int(s.kv_total - s.kv_used < need)
+
+        least = min(requests_on(s) for s in candidates)
+        bound = max(least * w.balance_rel, least + w.balance_abs)
+        balanced = [s for s in candidates if requests_on(s) <= bound]
+
+        def cost(s: ReplicaSnapshot) -> tuple[float, int]:
+            on = requests_on(s)
+            waits = waiting_ahead(s) + kv_short(s)
+            return (prompt_len - cached(s) + w.load_cost * waits + w.run_cost * on, on)
+
+        return min(balanced, key=cost).address     # ties: the first in the pool's order, on every router
+
+
+POLICIES = ("least-loaded", "round-robin", "random", "session", "prefix")
+
+
+def make_policy(name: str, index: PrefixIndex | None = None, weights: PrefixWeights | None = None,
+                seed: int | None = None) -> LeastLoaded | RoundRobin | Random | PrefixAware:
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "session":
+        return SessionOnly()
+    if name == "random":
+        return Random(seed)
+    if name == "prefix":
+        return PrefixAware(index if index is not None else PrefixIndex(), weights)
+    raise ValueError(f"unknown routing policy {name!r} (one of: {', '.join(POLICIES)})")
 
 
 class LocalSessionAffinity:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from .request import RequestState
 from .types import DetokOut, EngineChunk, Sampling, TokenizerMeta, Usage
 
 
@@ -28,7 +29,8 @@ class Tokenize(Protocol):
     meta: TokenizerMeta | None
 
     async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
-                       timeout: float | None = None, cache_key: str = "") -> list[int]: ...
+                       timeout: float | None = None, cache_key: str = "",
+                       allow_special_tokens: bool = False) -> list[int]: ...
 
 
 class Broken(Protocol):
@@ -82,6 +84,8 @@ class ReplicaSnapshot:
     max_active: int = 0
     kv_used: int = 0
     kv_total: int = 0
+    pool: str = "default"      # the engine pool (traffic split) it belongs to
+    tokens_per_block: int = 0  # its KV block size (0 = unknown)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,10 @@ class PlacementView:
     session_id: str = ""
     prompt_tokens: int = 0
     sticky: str = ""           # the session's replica (from SessionAffinity), "" if none
+    pool: str = ""             # only replicas of this pool ("" = any)
+    prompt_ids: Sequence[int] = ()   # the prompt (prefix-aware policies hash its blocks)
+    cache_salt: str = ""
+    max_tokens: int = 0        # its token budget (KV it will need beyond the prompt)
 
 
 class Placement(Protocol):
@@ -128,8 +136,24 @@ class EngineStream(Protocol):
     def release(self, address: str, request_id: str) -> None: ...
 
     def mark_failed(self, address: str) -> None:
-        """The replica's stream broke or stalled: no new work until its health is seen again."""
+        """The replica's stream broke or stalled: one failure for its circuit breaker (suspect, no new
+        work, until its next success)."""
         ...
+
+
+class PoolSelector(Protocol):
+    """Which engine pool serves a request (a weighted traffic split, sticky per tenant or session)."""
+
+    def choose(self, tenant: str, session_id: str, request_id: str) -> str: ...
+
+
+class Shadow(Protocol):
+    """Mirrors a share of requests to a second pool and records its answers; never returns them to
+    the client nor charges the tenant. `started` when the primary is placed, `finished` when it ends."""
+
+    def started(self, state: RequestState) -> None: ...
+
+    def finished(self, state: RequestState) -> None: ...
 
 
 # ------------------------------------------------------------------------------------------ admission

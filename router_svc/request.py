@@ -33,7 +33,12 @@ class RequestState:
     timings: Timings = field(default_factory=Timings)
     replica: str = ""                     # the attempt's replica address ("" before placement)
     attempts: list[str] = field(default_factory=list)   # replicas tried, in order
+    pool: str = ""                        # the engine pool chosen for it ("" = any)
+    migrations: int = 0                   # times it moved to another replica after its first token
+    migration_reason: str = ""            # why the last move happened (a registry reason)
+    migration_tokens: int = 0             # tokens generated before the last move
     last_error: TokenrelayError | None = None
+    error: TokenrelayError | None = None  # how the engine stage failed, if it did
     engine_done: bool = False
     finish_reason: str = "length"
     t_tokenized: float = 0.0

@@ -76,6 +76,15 @@ class Done:
 
 
 @dataclass
+class Migrated:
+    """The request moved to another engine replica after its first token; the stream goes on."""
+
+    migrations: int
+    tokens_so_far: int
+    reason: str
+
+
+@dataclass
 class TurnError:
     """A chat turn failed; the session goes on (ChatResponse.turn_error)."""
 
@@ -86,7 +95,7 @@ class TurnError:
     request_id: str = ""   # the failed turn's id; "" for a turn refused before it started
 
 
-Event = Accepted | Delta | Done
+Event = Accepted | Delta | Done | Migrated
 
 
 @dataclass

@@ -40,8 +40,8 @@ from services.security import PLAINTEXT, SecuritySettings
 from services.wire import FINISH_NAMES
 
 __all__ = ["Accepted", "Cancelled", "ChatSession", "Client", "Completion", "DeadlineExceeded",
-           "Finished", "InvalidArgument", "PermissionDenied", "Reason", "ResourceExhausted", "Sampling", "TextDelta",
-           "TokenrelayError", "Unauthenticated", "Unavailable", "collect"]
+           "Finished", "InvalidArgument", "Migrated", "PermissionDenied", "Reason", "ResourceExhausted", "Sampling",
+           "TextDelta", "TokenrelayError", "Unauthenticated", "Unavailable", "collect"]
 PRIORITIES = {"": common_pb2.PRIORITY_UNSPECIFIED, "low": common_pb2.PRIORITY_LOW,
               "normal": common_pb2.PRIORITY_NORMAL, "high": common_pb2.PRIORITY_HIGH}
 
@@ -73,7 +73,16 @@ class Finished:
     decode_seconds: float
 
 
-Event = Accepted | TextDelta | Finished
+@dataclass(frozen=True)
+class Migrated:
+    """The request moved to another engine replica mid-stream; the stream goes on."""
+
+    migrations: int
+    tokens_so_far: int
+    reason: str
+
+
+Event = Accepted | TextDelta | Finished | Migrated
 
 
 @dataclass
@@ -83,6 +92,7 @@ class Completion:
     token_ids: list[int]
     finished: Finished
     deltas: int = 0
+    migrations: int = 0
 
 
 @dataclass
@@ -119,22 +129,27 @@ def _event(msg: Any) -> Event | None:
         return Finished(FINISH_NAMES.get(d.finish_reason, "unknown"), d.stop_reason, u.prompt_tokens,
                         u.cached_tokens, u.completion_tokens, t.queue_seconds, t.ttft_seconds,
                         t.total_seconds, t.tokenize_seconds, t.decode_seconds)
+    if which == "migrated":
+        m = msg.migrated
+        return Migrated(m.migrations, m.tokens_so_far, m.reason)
     return None
 
 
 async def collect(events: AsyncIterator[Event]) -> Completion:
-    request_id, deltas = "", 0
+    request_id, deltas, migrations = "", 0, 0
     text: list[str] = []
     ids: list[int] = []
     async for event in events:
         if isinstance(event, Accepted):
             request_id = event.request_id
+        elif isinstance(event, Migrated):
+            migrations = event.migrations
         elif isinstance(event, TextDelta):
             text.append(event.text)
             ids.extend(event.token_ids)
             deltas += 1
         else:
-            return Completion(request_id, "".join(text), ids, event, deltas)
+            return Completion(request_id, "".join(text), ids, event, deltas, migrations)
     raise Reason.INCOMPLETE_STREAM.error("stream ended without `done`")
 
 

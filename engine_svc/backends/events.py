@@ -84,6 +84,10 @@ class KvEvent:
     block_hashes: tuple[int, ...] = ()   # removed
     window_size: int = 0                 # attention window of the pool (0 = the model's full context)
     num_blocks_per_cache_level: tuple[int, ...] = ()   # created
+    cache_salt: str | None = None        # stored: the salt of the blocks (None: the engine does not say)
+
+
+SNAPSHOT_CHUNK = 1024     # snapshot events per batch
 
 
 class KvEventSubscription:
@@ -97,6 +101,14 @@ class KvEventSubscription:
         self._dropped = 0
         self._ready = asyncio.Event()
         self.closed = False
+        self._snapshot: list[KvEvent] = []
+
+    def offer_snapshot(self, events: list[KvEvent]) -> None:
+        """What the cache holds at subscription time (``stored`` events with event id 0), sent before
+        anything live and outside the bounded buffer, so a new subscriber starts complete."""
+        self._snapshot = events
+        if events:
+            self._ready.set()
 
     def _offer(self, events: list[KvEvent]) -> None:
         overflow = len(self._buffer) + len(events) - (self._buffer.maxlen or 0)
@@ -125,6 +137,9 @@ class KvEventSubscription:
         while True:
             await self._ready.wait()
             self._ready.clear()
+            while self._snapshot:
+                chunk, self._snapshot = self._snapshot[:SNAPSHOT_CHUNK], self._snapshot[SNAPSHOT_CHUNK:]
+                yield chunk, 0
             events, dropped = self.take()
             if events or dropped:
                 yield events, dropped

@@ -47,7 +47,7 @@ from .base import (
     Sink,
     StepStats,
 )
-from .events import HealthState, IterationStats, hit_rate
+from .events import HealthState, IterationStats, KvEventSubscription, hit_rate
 from .sim_cost import SimConfig
 from .sim_kv import Allocation, KVCache
 
@@ -266,6 +266,15 @@ class SimBackend(Backend):
                 self.die(f"die_after_steps={cfg.die_after_steps} reached")
                 return
 
+    def kv_events(self) -> KvEventSubscription:
+        """A new subscriber first gets a snapshot of every registered block, then live events
+        (recording starts at once, so nothing between the two is missed)."""
+        sub = super().kv_events()
+        if not sub.closed:
+            self.kv.record_events = True
+            sub.offer_snapshot(self.kv.snapshot_events())
+        return sub
+
     def _publish_events(self) -> None:
         if self.kv.record_events:
             self.publish_kv_events(self.kv.take_events())
@@ -311,7 +320,7 @@ class SimBackend(Backend):
     def _decode(self) -> None:
         """One token for every running request."""
         self.steps += 1
-        vocab = self.config.vocab_size
+        vocab = min(self.config.vocab_size, self.config.sample_ids_below or self.config.vocab_size)
         kv = self.kv
         finished: list[_SimRequest] = []
         for req in list(self._running.values()):

@@ -80,7 +80,10 @@ class SimConfig(Section):
                                                         "(TensorRT-LLM's max_num_tokens)")
     num_blocks: int = Field(25_000, ge=1, description="KV cache blocks")
     tokens_per_block: int = Field(32, ge=1, description="tokens per KV block")
-    vocab_size: int = Field(128_256, ge=1, description="vocabulary size of generated ids")
+    vocab_size: int = Field(128_256, ge=1, description="vocabulary size (ids a request may carry)")
+    sample_ids_below: int = Field(0, ge=0, description="generate only ids below this (0 = the whole vocabulary): "
+                                                       "e.g. printable bytes of a byte-level tokenizer whose EOS "
+                                                       "ids lie above them")
     max_context: int = Field(8192, ge=1, description="model context (prompt + max_tokens)")
     prefill_time_per_token: float = Field(_DEFAULT["prefill_time_per_token"], ge=0,
                                           description="seconds per uncached prompt token")

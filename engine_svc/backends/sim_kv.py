@@ -69,7 +69,9 @@ class KVCache:
         self.record_events = False
         self._events: list[KvEvent] = []
         self._evicted: list[int] = []
-        self._next_event_id = 0
+        self._next_event_id = 1          # 0 marks snapshot events
+        # registered hash → (parent hash, tokens, salt): what a new subscriber's snapshot needs
+        self._meta: dict[int, tuple[int | None, tuple[int, ...], str]] = {}
 
     # -- events -------------------------------------------------------------------------------
     def take_events(self) -> list[KvEvent]:
@@ -79,6 +81,15 @@ class KVCache:
     def _event(self, kind: KvEventType, **fields: object) -> None:
         self._events.append(KvEvent(self._next_event_id, kind, **fields))  # type: ignore[arg-type]
         self._next_event_id += 1
+
+    def snapshot_events(self) -> list[KvEvent]:
+        """Every registered block as a ``stored`` event (event id 0), parents before children."""
+        out: list[KvEvent] = []
+        for h in self._by_hash:
+            parent, tokens, salt = self._meta[h]
+            out.append(KvEvent(0, KvEventType.STORED, parent_hash=parent, blocks=(KvBlock(h, tokens),),
+                               cache_salt=salt))
+        return out
 
     def _flush_evicted(self) -> None:
         if self._evicted:
@@ -166,6 +177,7 @@ class KVCache:
             block, _ = self._lru.popitem(last=False)
             h = self._hash_of.pop(block)
             del self._by_hash[h]
+            del self._meta[h]
             self._evicted.append(h)
             self.evictions += 1
         self._refs[block] = 1
@@ -184,16 +196,18 @@ class KVCache:
             if h not in self._by_hash and block not in self._hash_of:
                 self._by_hash[h] = block
                 self._hash_of[block] = h
+                tokens = tuple(prompt[i * tpb:(i + 1) * tpb])
+                self._meta[h] = (hashes[i - 1] if i else None, tokens, alloc.salt)
                 if self.record_events:
-                    stored.append(KvBlock(h, tuple(prompt[i * tpb:(i + 1) * tpb])))
+                    stored.append(KvBlock(h, tokens))
             elif stored:   # a run of new blocks ended: one event per contiguous run
-                self._event(KvEventType.STORED, parent_hash=parent, blocks=tuple(stored))
+                self._event(KvEventType.STORED, parent_hash=parent, blocks=tuple(stored), cache_salt=alloc.salt)
                 stored = []
             if not stored:
                 parent = h
             alloc.last_hash = h
         if stored:
-            self._event(KvEventType.STORED, parent_hash=parent, blocks=tuple(stored))
+            self._event(KvEventType.STORED, parent_hash=parent, blocks=tuple(stored), cache_salt=alloc.salt)
         alloc.hashed_blocks = max(alloc.hashed_blocks, len(hashes))
 
     def append_token(self, alloc: Allocation, token: int) -> None:
@@ -207,9 +221,10 @@ class KVCache:
                 if h not in self._by_hash and block not in self._hash_of:
                     self._by_hash[h] = block
                     self._hash_of[block] = h
+                    self._meta[h] = (alloc.last_hash, tuple(pending), alloc.salt)
                     if self.record_events:
                         self._event(KvEventType.STORED, parent_hash=alloc.last_hash,
-                                    blocks=(KvBlock(h, tuple(pending)),))
+                                    blocks=(KvBlock(h, tuple(pending)),), cache_salt=alloc.salt)
                 alloc.last_hash = h
                 alloc.hashed_blocks += 1
             alloc.pending_tokens = []

@@ -25,7 +25,8 @@ class FakeTokenizer:
         self.calls = 0
 
     async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
-                       timeout: float | None = None, cache_key: str = "") -> list[int]:
+                       timeout: float | None = None, cache_key: str = "",
+                       allow_special_tokens: bool = False) -> list[int]:
         self.calls += 1
         if self.gate is not None:
             await self.gate.wait()
@@ -96,6 +97,7 @@ class FakeReplica:
     serving: bool = True
     in_flight: int = 0
     submitted: list[str] = field(default_factory=list)
+    prompts: list[tuple[list[int], int]] = field(default_factory=list)   # (prompt, max_tokens) per submit
     pushed_down: list[tuple[float, int]] = field(default_factory=list)   # (timeout, priority) per submit
     aborted: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -127,6 +129,7 @@ class FakeEngines:
         r = self.replicas[address]
         r.pushed_down.append((timeout, priority))
         r.submitted.append(request_id)
+        r.prompts.append((list(prompt), sampling.max_tokens))
         r.in_flight += 1
         source = r.sources[request_id] = FakeSource()
         what = r.behaviour.pop(0) if len(r.behaviour) > 1 else r.behaviour[0]

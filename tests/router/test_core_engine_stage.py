@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from router_svc.types import Delta, Done, GenerateInput, Sampling
+from router_svc.types import Delta, Done, GenerateInput, Migrated, Sampling
 from services.errors import Reason, TokenrelayError
 from tests.router.core_fakes import TENANT, FakeReplica, core, uid
 from tests.waiting import poll
@@ -63,8 +63,8 @@ async def test_with_no_replica_left_the_client_hears_why_the_last_failed_not_no_
     assert info.value.reason == Reason.OVERLOADED
 
 
-async def test_a_failure_after_the_first_token_is_not_retried() -> None:
-    c = core(FakeReplica("a", ["manual"]), FakeReplica("b", in_flight=5))
+async def test_without_migrations_a_failure_after_the_first_token_is_not_retried() -> None:
+    c = core(FakeReplica("a", ["manual"]), FakeReplica("b", in_flight=5), engine_migrations=0)
     gen = c.router.generate(TENANT, _inp(request_id="r"))
     await anext(gen)                                     # accepted
     delta = asyncio.ensure_future(anext(gen))
@@ -86,7 +86,7 @@ async def test_silence_before_the_first_token_is_retried_on_another_replica() ->
     assert len(mute.aborted) == 1 and mute.aborted == mute.submitted
 
 
-async def test_a_stall_after_the_first_token_fails_with_engine_stalled() -> None:
+async def test_a_stall_after_the_first_token_with_no_replica_left_fails_with_engine_stalled() -> None:
     c = core(FakeReplica("a", ["manual"]), progress_timeout=0.2)
     gen = c.router.generate(TENANT, _inp(request_id="r"))
     await anext(gen)
@@ -98,6 +98,34 @@ async def test_a_stall_after_the_first_token_fails_with_engine_stalled() -> None
         await anext(gen)
     assert info.value.reason == Reason.ENGINE_STALLED and info.value.retryable
     assert c.engines.replicas["a"].aborted == c.engines.replicas["a"].submitted
+
+
+@pytest.mark.parametrize("failure", ["broken", "stalled", Reason.ENGINE_UNAVAILABLE])
+async def test_a_replica_failing_mid_stream_is_migrated_and_the_stream_goes_on(failure: object) -> None:
+    c = core(FakeReplica("a", ["manual"]), FakeReplica("b", ["manual"], in_flight=5), progress_timeout=0.3)
+    gen = c.router.generate(TENANT, _inp(request_id="r"))
+    await anext(gen)                                     # accepted
+    delta = asyncio.ensure_future(anext(gen))
+    a = await poll(lambda: c.engines.replicas["a"].sources.get(uid(c, "r")))
+    a.tokens(101, 102)
+    first = await delta
+    assert isinstance(first, Delta)
+    if failure == "broken":
+        a.broken()
+    elif isinstance(failure, Reason):
+        a.error(failure)
+    nxt = asyncio.ensure_future(anext(gen))              # "stalled": a sends nothing more
+    b = await poll(lambda: c.engines.replicas["b"].sources.get(uid(c, "r")))
+    prompt_a, max_a = c.engines.replicas["a"].prompts[0]
+    assert c.engines.replicas["b"].prompts == [([*prompt_a, 101, 102], max_a - 2)]   # prompt + tokens so far
+    b.tokens(103, finished=True)
+    moved = await nxt
+    assert isinstance(moved, Migrated) and moved.migrations == 1 and moved.tokens_so_far == 2
+    rest = [e async for e in gen]
+    assert isinstance(rest[-1], Done) and rest[-1].usage.completion_tokens == 3
+    assert "".join(e.text for e in [first, *rest] if isinstance(e, Delta)) == "".join(
+        f"<{t}>" for t in (101, 102, 103))
+    assert "a" in c.engines.failed
 
 
 async def test_a_draining_replica_gets_no_new_work() -> None:

@@ -200,7 +200,7 @@ class KvEventsInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., enabled: _Optional[bool] = ..., tokens_per_block: _Optional[int] = ...) -> None: ...
 
 class KvCacheEvent(_message.Message):
-    __slots__ = ("event_id", "type", "window_size", "parent_hash", "blocks", "block_hashes", "num_blocks_per_cache_level")
+    __slots__ = ("event_id", "type", "window_size", "parent_hash", "blocks", "block_hashes", "num_blocks_per_cache_level", "cache_salt")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class KvCacheEvent(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_PER_CACHE_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     event_id: int
     type: KvEventType
     window_size: int
@@ -215,7 +216,8 @@ class KvCacheEvent(_message.Message):
     blocks: _containers.RepeatedCompositeFieldContainer[KvBlock]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     num_blocks_per_cache_level: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, event_id: _Optional[int] = ..., type: _Optional[_Union[KvEventType, str]] = ..., window_size: _Optional[int] = ..., parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_blocks_per_cache_level: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, event_id: _Optional[int] = ..., type: _Optional[_Union[KvEventType, str]] = ..., window_size: _Optional[int] = ..., parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_blocks_per_cache_level: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KvBlock(_message.Message):
     __slots__ = ("block_hash", "tokens", "cache_level", "priority")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tokenrelay.v1 import common_pb2 as tokenrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenrelay/v1/inference.proto\x12\rtokenrelay.v1\x1a\x1atokenrelay/v1/common.proto\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tokenrelay.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xed\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.tokenrelay.v1.MessagesH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.tokenrelay.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.tokenrelay.v1.SamplingParams\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.tokenrelay.v1.Priority\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x18\n\x10return_token_ids\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\r\n\x05model\x18\t \x01(\t\x12\x18\n\x10min_delta_tokens\x18\n \x01(\r\x12\x1d\n\x15min_delta_interval_ms\x18\x0b \x01(\rB\x07\n\x05input\"M\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0equeue_position\x18\x03 \x01(\r\"(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x9d\x01\n\x04\x44one\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.tokenrelay.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.tokenrelay.v1.Usage\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.tokenrelay.v1.Timings\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"\x94\x01\n\x10GenerateResponse\x12+\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x17.tokenrelay.v1.AcceptedH\x00\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x14.tokenrelay.v1.DeltaH\x00\x12#\n\x04\x64one\x18\x03 \x01(\x0b\x32\x13.tokenrelay.v1.DoneH\x00\x42\x07\n\x05\x65vent\"\xa2\x01\n\x08\x43hatTurn\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tokenrelay.v1.ChatMessage\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.tokenrelay.v1.SamplingParams\x12\x18\n\x10min_delta_tokens\x18\x03 \x01(\r\x12\x1d\n\x15min_delta_interval_ms\x18\x04 \x01(\r\"\x97\x01\n\x0b\x43hatRequest\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.tokenrelay.v1.ChatStartH\x00\x12\'\n\x04turn\x18\x02 \x01(\x0b\x32\x17.tokenrelay.v1.ChatTurnH\x00\x12+\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x19.tokenrelay.v1.ChatCancelH\x00\x42\x07\n\x05\x65vent\"\x90\x01\n\tChatStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x06system\x18\x02 \x03(\x0b\x32\x1a.tokenrelay.v1.ChatMessage\x12)\n\x08priority\x18\x03 \x01(\x0e\x32\x17.tokenrelay.v1.Priority\x12\x18\n\x10return_token_ids\x18\x04 \x01(\x08\"\x0c\n\nChatCancel\"\xef\x01\n\x0c\x43hatResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.tokenrelay.v1.ChatStartedH\x00\x12+\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x17.tokenrelay.v1.AcceptedH\x00\x12%\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x14.tokenrelay.v1.DeltaH\x00\x12#\n\x04\x64one\x18\x04 \x01(\x0b\x32\x13.tokenrelay.v1.DoneH\x00\x12.\n\nturn_error\x18\x05 \x01(\x0b\x32\x18.tokenrelay.v1.TurnErrorH\x00\x42\x07\n\x05\x65vent\"f\n\tTurnError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"!\n\x0b\x43hatStarted\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x32\xe6\x01\n\tInference\x12M\n\x08Generate\x12\x1e.tokenrelay.v1.GenerateRequest\x1a\x1f.tokenrelay.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x1a.tokenrelay.v1.ChatRequest\x1a\x1b.tokenrelay.v1.ChatResponse(\x01\x30\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.tokenrelay.v1.CancelRequest\x1a\x1d.tokenrelay.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenrelay/v1/inference.proto\x12\rtokenrelay.v1\x1a\x1atokenrelay/v1/common.proto\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tokenrelay.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xed\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.tokenrelay.v1.MessagesH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.tokenrelay.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.tokenrelay.v1.SamplingParams\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.tokenrelay.v1.Priority\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x18\n\x10return_token_ids\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\r\n\x05model\x18\t \x01(\t\x12\x18\n\x10min_delta_tokens\x18\n \x01(\r\x12\x1d\n\x15min_delta_interval_ms\x18\x0b \x01(\rB\x07\n\x05input\"M\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0equeue_position\x18\x03 \x01(\r\"(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x9d\x01\n\x04\x44one\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.tokenrelay.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.tokenrelay.v1.Usage\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.tokenrelay.v1.Timings\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"E\n\x08Migrated\x12\x12\n\nmigrations\x18\x01 \x01(\r\x12\x15\n\rtokens_so_far\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xc1\x01\n\x10GenerateResponse\x12+\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x17.tokenrelay.v1.AcceptedH\x00\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x14.tokenrelay.v1.DeltaH\x00\x12#\n\x04\x64one\x18\x03 \x01(\x0b\x32\x13.tokenrelay.v1.DoneH\x00\x12+\n\x08migrated\x18\x04 \x01(\x0b\x32\x17.tokenrelay.v1.MigratedH\x00\x42\x07\n\x05\x65vent\"\xa2\x01\n\x08\x43hatTurn\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tokenrelay.v1.ChatMessage\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.tokenrelay.v1.SamplingParams\x12\x18\n\x10min_delta_tokens\x18\x03 \x01(\r\x12\x1d\n\x15min_delta_interval_ms\x18\x04 \x01(\r\"\x97\x01\n\x0b\x43hatRequest\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.tokenrelay.v1.ChatStartH\x00\x12\'\n\x04turn\x18\x02 \x01(\x0b\x32\x17.tokenrelay.v1.ChatTurnH\x00\x12+\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x19.tokenrelay.v1.ChatCancelH\x00\x42\x07\n\x05\x65vent\"\x90\x01\n\tChatStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x06system\x18\x02 \x03(\x0b\x32\x1a.tokenrelay.v1.ChatMessage\x12)\n\x08priority\x18\x03 \x01(\x0e\x32\x17.tokenrelay.v1.Priority\x12\x18\n\x10return_token_ids\x18\x04 \x01(\x08\"\x0c\n\nChatCancel\"\x9c\x02\n\x0c\x43hatResponse\x12-\n\x07started\x18\x01 \x01(\x0b\x32\x1a.tokenrelay.v1.ChatStartedH\x00\x12+\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x17.tokenrelay.v1.AcceptedH\x00\x12%\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x14.tokenrelay.v1.DeltaH\x00\x12#\n\x04\x64one\x18\x04 \x01(\x0b\x32\x13.tokenrelay.v1.DoneH\x00\x12.\n\nturn_error\x18\x05 \x01(\x0b\x32\x18.tokenrelay.v1.TurnErrorH\x00\x12+\n\x08migrated\x18\x06 \x01(\x0b\x32\x17.tokenrelay.v1.MigratedH\x00\x42\x07\n\x05\x65vent\"f\n\tTurnError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"!\n\x0b\x43hatStarted\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x32\xe6\x01\n\tInference\x12M\n\x08Generate\x12\x1e.tokenrelay.v1.GenerateRequest\x1a\x1f.tokenrelay.v1.GenerateResponse0\x01\x12\x43\n\x04\x43hat\x12\x1a.tokenrelay.v1.ChatRequest\x1a\x1b.tokenrelay.v1.ChatResponse(\x01\x30\x01\x12\x45\n\x06\x43\x61ncel\x12\x1c.tokenrelay.v1.CancelRequest\x1a\x1d.tokenrelay.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,26 +44,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELTA']._serialized_end=646
   _globals['_DONE']._serialized_start=649
   _globals['_DONE']._serialized_end=806
-  _globals['_GENERATERESPONSE']._serialized_start=809
-  _globals['_GENERATERESPONSE']._serialized_end=957
-  _globals['_CHATTURN']._serialized_start=960
-  _globals['_CHATTURN']._serialized_end=1122
-  _globals['_CHATREQUEST']._serialized_start=1125
-  _globals['_CHATREQUEST']._serialized_end=1276
-  _globals['_CHATSTART']._serialized_start=1279
-  _globals['_CHATSTART']._serialized_end=1423
-  _globals['_CHATCANCEL']._serialized_start=1425
-  _globals['_CHATCANCEL']._serialized_end=1437
-  _globals['_CHATRESPONSE']._serialized_start=1440
-  _globals['_CHATRESPONSE']._serialized_end=1679
-  _globals['_TURNERROR']._serialized_start=1681
-  _globals['_TURNERROR']._serialized_end=1783
-  _globals['_CHATSTARTED']._serialized_start=1785
-  _globals['_CHATSTARTED']._serialized_end=1818
-  _globals['_CANCELREQUEST']._serialized_start=1820
-  _globals['_CANCELREQUEST']._serialized_end=1855
-  _globals['_CANCELRESPONSE']._serialized_start=1857
-  _globals['_CANCELRESPONSE']._serialized_end=1892
-  _globals['_INFERENCE']._serialized_start=1895
-  _globals['_INFERENCE']._serialized_end=2125
+  _globals['_MIGRATED']._serialized_start=808
+  _globals['_MIGRATED']._serialized_end=877
+  _globals['_GENERATERESPONSE']._serialized_start=880
+  _globals['_GENERATERESPONSE']._serialized_end=1073
+  _globals['_CHATTURN']._serialized_start=1076
+  _globals['_CHATTURN']._serialized_end=1238
+  _globals['_CHATREQUEST']._serialized_start=1241
+  _globals['_CHATREQUEST']._serialized_end=1392
+  _globals['_CHATSTART']._serialized_start=1395
+  _globals['_CHATSTART']._serialized_end=1539
+  _globals['_CHATCANCEL']._serialized_start=1541
+  _globals['_CHATCANCEL']._serialized_end=1553
+  _globals['_CHATRESPONSE']._serialized_start=1556
+  _globals['_CHATRESPONSE']._serialized_end=1840
+  _globals['_TURNERROR']._serialized_start=1842
+  _globals['_TURNERROR']._serialized_end=1944
+  _globals['_CHATSTARTED']._serialized_start=1946
+  _globals['_CHATSTARTED']._serialized_end=1979
+  _globals['_CANCELREQUEST']._serialized_start=1981
+  _globals['_CANCELREQUEST']._serialized_end=2016
+  _globals['_CANCELRESPONSE']._serialized_start=2018
+  _globals['_CANCELRESPONSE']._serialized_end=2053
+  _globals['_INFERENCE']._serialized_start=2056
+  _globals['_INFERENCE']._serialized_end=2286
 # @@protoc_insertion_point(module_scope)

@@ -75,15 +75,27 @@ class Done(_message.Message):
     stop_reason: str
     def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
 
+class Migrated(_message.Message):
+    __slots__ = ("migrations", "tokens_so_far", "reason")
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SO_FAR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    migrations: int
+    tokens_so_far: int
+    reason: str
+    def __init__(self, migrations: _Optional[int] = ..., tokens_so_far: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("accepted", "delta", "done")
+    __slots__ = ("accepted", "delta", "done", "migrated")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     delta: Delta
     done: Done
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+    migrated: Migrated
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., migrated: _Optional[_Union[Migrated, _Mapping]] = ...) -> None: ...
 
 class ChatTurn(_message.Message):
     __slots__ = ("messages", "sampling", "min_delta_tokens", "min_delta_interval_ms")
@@ -124,18 +136,20 @@ class ChatCancel(_message.Message):
     def __init__(self) -> None: ...
 
 class ChatResponse(_message.Message):
-    __slots__ = ("started", "accepted", "delta", "done", "turn_error")
+    __slots__ = ("started", "accepted", "delta", "done", "turn_error", "migrated")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     TURN_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     started: ChatStarted
     accepted: Accepted
     delta: Delta
     done: Done
     turn_error: TurnError
-    def __init__(self, started: _Optional[_Union[ChatStarted, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., turn_error: _Optional[_Union[TurnError, _Mapping]] = ...) -> None: ...
+    migrated: Migrated
+    def __init__(self, started: _Optional[_Union[ChatStarted, _Mapping]] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., turn_error: _Optional[_Union[TurnError, _Mapping]] = ..., migrated: _Optional[_Union[Migrated, _Mapping]] = ...) -> None: ...
 
 class TurnError(_message.Message):
     __slots__ = ("code", "reason", "message", "retry_after_ms", "request_id")

@@ -1,0 +1,252 @@
+"""What each engine replica holds in its prefix cache, as the router knows it (pure, no I/O).
+
+Keys. A prompt is cut into full blocks of `tokens_per_block` tokens (the engines' block size); a
+block's key chains its parent's key and its tokens, so equal keys mean equal prefixes. The chain
+starts from the request's cache salt (the tenant: the engines reuse blocks only within one salt),
+or from 0 for replicas whose events carry no salt (TensorRT-LLM's do not). Keys are Python's hash
+of a tuple of ints: deterministic across processes and ~1 µs per block, so every router computes
+the same keys for the same prompt.
+
+Three sources, per replica:
+- KV-cache events (`apply`), the precise one: ``stored`` blocks arrive with the engine's own hash,
+  its parent's hash and their tokens; the router maps engine hash → its key through the parent
+  chain, and ``removed`` drops them. Event ids must be consecutive: a gap (or a batch reporting
+  dropped events) makes `apply` return False and the caller clears the replica and resubscribes
+  (the engine sends a snapshot of what it holds on every new subscription). Snapshot events carry
+  event id 0.
+- Recent placements (`placed`): a prompt routed to a replica counts as held there for
+  `pending_ttl` seconds, until its events arrive, so a burst of requests sharing a prefix lands
+  together before the first has been prefilled.
+- Routing history (`placed` + `finished`, for replicas that publish no events): prompts and
+  replies routed there, in an LRU bounded by the replica's KV capacity (eviction modelled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_TOKENS_PER_BLOCK = 32
+PENDING_TTL = 5.0
+HISTORY_BLOCKS = 4096   # a replica without events and without a reported KV size
+
+
+def salt_root(salt: str, _cache: dict[str, int] = {}) -> int:  # noqa: B006 - a memo on purpose
+    """The chain's start for a cache salt (stable across processes; "" → 0)."""
+    if not salt:
+        return 0
+    root = _cache.get(salt)
+    if root is None:
+        if len(_cache) > 65_536:
+            _cache.clear()
+        root = int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+        _cache[salt] = root
+    return root
+
+
+def block_keys(tokens: Sequence[int], tokens_per_block: int, salt: str = "", limit: int | None = None) -> list[int]:
+    """Chained keys of the full blocks of `tokens` (at most `limit` of them)."""
+    n = len(tokens) // tokens_per_block
+    if limit is not None:
+        n = min(n, limit)
+    key = salt_root(salt)
+    keys: list[int] = []
+    for i in range(n):
+        key = hash((key, *tokens[i * tokens_per_block:(i + 1) * tokens_per_block]))
+        keys.append(key)
+    return keys
+
+
+@dataclass
+class StoredBlock:
+    engine_hash: int
+    tokens: Sequence[int]
+
+
+@dataclass
+class _Replica:
+    events: bool = False                      # publishes KV events (precise)
+    salted: bool = True                       # its events carry the cache salt
+    last_event_id: int | None = None
+    engine_to_key: dict[int, int] = field(default_factory=dict)
+    held: dict[int, int] = field(default_factory=dict)          # key → engine blocks with that key
+    pending: OrderedDict[int, float] = field(default_factory=OrderedDict)   # key → expiry
+    history: OrderedDict[int, None] = field(default_factory=OrderedDict)    # key LRU (no events)
+    history_capacity: int = HISTORY_BLOCKS
+    gaps: int = 0
+
+
+class PrefixIndex:
+    """Keys held per replica, from events, recent placements and history (module doc)."""
+
+    def __init__(self, tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, pending_ttl: float = PENDING_TTL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.pending_ttl = pending_ttl
+        self._clock = clock
+        self._replicas: dict[str, _Replica] = {}
+
+    # -- membership ---------------------------------------------------------------------------
+    def replica(self, address: str) -> _Replica:
+        r = self._replicas.get(address)
+        if r is None:
+            r = self._replicas[address] = _Replica()
+        return r
+
+    def forget(self, address: str) -> None:
+        self._replicas.pop(address, None)
+
+    def reset(self, address: str, *, events: bool, salted: bool = True, tokens_per_block: int = 0) -> None:
+        """A (re)subscription began: drop what was known of the replica's cache (a snapshot follows)."""
+        old = self._replicas.get(address)
+        r = self._replicas[address] = _Replica(events=events, salted=salted)
+        if old is not None:
+            r.history_capacity, r.gaps = old.history_capacity, old.gaps
+        if tokens_per_block:
+            self.tokens_per_block = tokens_per_block
+
+    def set_capacity(self, address: str, kv_blocks: int) -> None:
+        if kv_blocks > 0:
+            self.replica(address).history_capacity = kv_blocks
+
+    def stats(self, address: str) -> dict[str, int]:
+        r = self.replica(address)
+        return {"held": len(r.held), "pending": len(r.pending), "history": len(r.history), "gaps": r.gaps}
+
+    # -- events -------------------------------------------------------------------------------
+    def apply_stored(self, address: str, event_id: int, parent_hash: int | None,
+                     blocks: Iterable[StoredBlock], salt: str | None) -> bool:
+        """A ``stored`` event; False on a gap (clear and resubscribe)."""
+        r = self.replica(address)
+        if not self._in_sequence(r, event_id):
+            return False
+        r.events = True
+        if salt is None:
+            r.salted = False
+        if parent_hash is None:
+            key = salt_root(salt or "") if r.salted else 0
+        else:
+            parent = r.engine_to_key.get(parent_hash)
+            if parent is None:
+                return True            # hangs from a block we never saw: unusable, not a gap
+            key = parent
+        tpb = self.tokens_per_block
+        for block in blocks:
+            if len(block.tokens) < tpb:
+                break                  # a partial block (routers ignore them, as Dynamo does)
+            key = hash((key, *block.tokens))
+            if block.engine_hash in r.engine_to_key:
+                continue
+            r.engine_to_key[block.engine_hash] = key
+            r.held[key] = r.held.get(key, 0) + 1
+            r.pending.pop(key, None)
+        return True
+
+    def apply_removed(self, address: str, event_id: int, engine_hashes: Iterable[int]) -> bool:
+        r = self.replica(address)
+        if not self._in_sequence(r, event_id):
+            return False
+        for h in engine_hashes:
+            key = r.engine_to_key.pop(h, None)
+            if key is None:
+                continue
+            left = r.held.get(key, 0) - 1
+            if left > 0:
+                r.held[key] = left
+            else:
+                r.held.pop(key, None)
+        return True
+
+    def skip(self, address: str, event_id: int) -> bool:
+        """An event that changes nothing here (created / updated): keep the sequence."""
+        return self._in_sequence(self.replica(address), event_id)
+
+    def gap(self, address: str) -> None:
+        self.replica(address).gaps += 1
+
+    @staticmethod
+    def _in_sequence(r: _Replica, event_id: int) -> bool:
+        if event_id == 0:               # a snapshot event
+            return True
+        if r.last_event_id is not None and event_id != r.last_event_id + 1:
+            r.gaps += 1
+            return False
+        r.last_event_id = event_id
+        return True
+
+    # -- placements ---------------------------------------------------------------------------
+    def placed(self, address: str, prompt: Sequence[int], salt: str) -> None:
+        """A prompt was routed to `address` (recent placement; history for event-less replicas)."""
+        r = self.replica(address)
+        keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "")
+        if r.events:
+            expiry = self._clock() + self.pending_ttl
+            for key in keys:
+                if key not in r.held:
+                    r.pending[key] = expiry
+                    r.pending.move_to_end(key)
+            self._expire(r)
+        else:
+            self._remember(r, keys)
+
+    def finished(self, address: str, tokens: Sequence[int], salt: str) -> None:
+        """A request ended there: its prompt and reply (event-less replicas only: history)."""
+        r = self.replica(address)
+        if not r.events:
+            self._remember(r, block_keys(tokens, self.tokens_per_block, salt if r.salted else ""))
+
+    @staticmethod
+    def _remember(r: _Replica, keys: list[int]) -> None:
+        # Tail first, so the chain's head is the most recent and suffixes are evicted first (as
+        # the engines release a request's blocks tail first).
+        for key in reversed(keys):
+            r.history[key] = None
+            r.history.move_to_end(key)
+        while len(r.history) > r.history_capacity:
+            r.history.popitem(last=False)
+
+    def _expire(self, r: _Replica) -> None:
+        now = self._clock()
+        while r.pending:
+            _key, expiry = next(iter(r.pending.items()))
+            if expiry > now:
+                break
+            r.pending.popitem(last=False)
+
+    # -- lookup -------------------------------------------------------------------------------
+    def match(self, prompt: Sequence[int], addresses: Sequence[str], salt: str = "") -> dict[str, int]:
+        """Per replica, how many leading full blocks of `prompt` it is believed to hold."""
+        tpb = self.tokens_per_block
+        limit = max(0, (len(prompt) - 1) // tpb)    # the engine always computes the last token
+        if not limit:
+            return {}
+        chains: dict[bool, list[int]] = {}
+        depths: dict[str, int] = {}
+        for address in addresses:
+            r = self._replicas.get(address)
+            if r is None:
+                continue
+            keys = chains.get(r.salted)
+            if keys is None:
+                keys = chains[r.salted] = block_keys(prompt, tpb, salt if r.salted else "", limit)
+            if r.events:
+                self._expire(r)
+                held, pending = r.held, r.pending
+                depth = 0
+                for key in keys:
+                    if key not in held and key not in pending:
+                        break
+                    depth += 1
+            else:
+                history = r.history
+                depth = 0
+                for key in keys:
+                    if key not in history:
+                        break
+                    depth += 1
+            if depth:
+                depths[address] = depth
+        return depths
