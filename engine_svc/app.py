@@ -17,6 +17,7 @@ from .backends import create_backend
 from .backends.events import HealthState
 from .config import EngineSettings
 from .engine import Engine
+from .registration import Registration, advertise_address, engine_report
 from .servicer import EngineServicer
 
 log = get_logger(__name__)
@@ -72,8 +73,10 @@ async def serve(settings: EngineSettings) -> None:
         engine, server = await start_engine(settings)
     except (ValueError, OSError) as exc:  # bad settings, missing model, port taken: say so, no traceback
         raise SystemExit(f"engine_svc: cannot start: {exc}") from exc
+    registration: Registration | None = None
     try:
         write_port_file(settings.server.port_file, server.port)
+        registration = await register(settings, engine, server)
         load = engine.load()
         log.info("listening", address=server.address, metrics_port=metrics_port, backend=load.backend,
                  model=load.model, max_context=load.max_context, max_active=load.max_active)
@@ -84,5 +87,21 @@ async def serve(settings: EngineSettings) -> None:
         engine.drain()
         await server.stop(settings.server.shutdown_grace)
     finally:
+        if registration is not None:
+            await registration.close()   # after the drain: routers retire it once it is gone
         await engine.close()
     log.info("stopped")
+
+
+async def register(settings: EngineSettings, engine: Engine, server: GrpcServer) -> Registration | None:
+    """Enter the engine in the routers' registry (--registry-redis-url); None when not configured."""
+    reg = settings.registry
+    if not reg.redis_url:
+        return None
+    address = advertise_address(reg.advertise_address, settings.server.host, server.port)
+    registration = Registration(reg.redis_url, reg.pool, address,
+                                lambda: engine_report(engine, address, reg.engine_pool),
+                                heartbeat=reg.heartbeat, ttl=reg.ttl)
+    engine.on_health_change(registration.wake)   # a drain reaches the routers before the next beat
+    await registration.start()
+    return registration

@@ -10,13 +10,40 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from services.config import ServiceSettings, conflict, section
+from services.config import MaskedUrl, Section, ServiceSettings, conflict, flag, section
 
 from .backends.hf import HfConfig
 from .backends.sim import SimConfig
 from .backends.triton_config import TritonConfig
 from .backends.trtllm_config import TrtllmConfig
 from .backends.trtllm_grpc_config import TrtllmGrpcConfig
+
+
+class RegistrySettings(Section):
+    """The replica registry: this engine's entry in the routers' Redis (engine_svc/registration.py)."""
+
+    redis_url: MaskedUrl = Field("", description="Redis of the routers' admission pool (their --redis-url) to "
+                                                 "register this engine in (empty = not registered; routers then "
+                                                 "need it in their --engines)")
+    pool: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                      description="the routers' admission pool (their --pool): the registry's Redis key "
+                                  "tq:{pool}:engines shares its hash tag")
+    engine_pool: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                             json_schema_extra=flag("engine_pool"),
+                             description="this engine's traffic pool (routers' --traffic-split names pools)")
+    advertise_address: str = Field("", max_length=256, json_schema_extra=flag("advertise_address"),
+                                   description="the host:port routers should dial (empty = the bound host and "
+                                               "port; a wildcard host becomes this machine's name)")
+    heartbeat: float = Field(1.0, ge=0.05, le=60, description="seconds between writes of the entry (and at once "
+                                                              "when the health changes)")
+    ttl: float = Field(3.0, ge=0.1, le=600, description="seconds the entry lives without a heartbeat: routers drop "
+                                                        "an engine that stops beating after this")
+
+    @model_validator(mode="after")
+    def _ttl_covers_beats(self) -> RegistrySettings:
+        if self.ttl < 2 * self.heartbeat:
+            raise conflict("--registry-ttl must be at least twice --registry-heartbeat", "ttl", "heartbeat")
+        return self
 
 
 class EngineSettings(ServiceSettings):
@@ -37,6 +64,8 @@ class EngineSettings(ServiceSettings):
                                             prefix="trtllm_grpc_")
     triton: TritonConfig = section(TritonConfig, "triton backend (Triton with the TensorRT-LLM backend)",
                                    prefix="triton_")
+    registry: RegistrySettings = section(RegistrySettings, "replica registry (routers' --engine-registry)",
+                                         prefix="registry_")
 
     @model_validator(mode="after")
     def _hf_needs_a_model(self) -> EngineSettings:

@@ -12,15 +12,22 @@ from services.metrics import start_metrics_server
 from services.proto.tokenrelay.v1 import inference_pb2
 from services.tracing import ServerTracingInterceptor, configure_tracing
 
-from .adapters import build_router
+from .adapters import EnginesAdapter, build_router
 from .admission import Admission
 from .cluster import RedisCluster
-from .config import RouterSettings
+from .config import RouterSettings, RoutingSettings
+from .discovery import from_settings as discovery_from_settings
+from .discovery import resolve_once
+from .kv_events import KvEventFeeds
 from .overload import AcceptProbe, OverloadGate
+from .placement import PrefixAware, PrefixWeights, make_policy
+from .ports import Placement
+from .prefix_index import PrefixIndex
 from .servicer import InferenceServicer, add_to_server
+from .shadow import PoolControl
 from .tenants import TenantsFileError
 from .tenants_reload import TenantsReloader
-from .upstreams import EnginePool, TokenizerUpstream
+from .upstreams import TokenizerUpstream
 from .validation import Bounds
 
 log = get_logger(__name__)
@@ -40,6 +47,16 @@ async def _wait_tokenizer(tokenizer: TokenizerUpstream, timeout: float) -> None:
             await asyncio.sleep(0.2)
 
 
+def _placement(routing: RoutingSettings) -> tuple[Placement, PrefixIndex | None]:
+    """The routing policy, and the prefix index it reads (the prefix policy only)."""
+    if routing.routing_policy != "prefix":
+        return make_policy(routing.routing_policy), None
+    index = PrefixIndex(pending_ttl=routing.prefix_pending_ttl)
+    weights = PrefixWeights(routing.prefix_load_cost, routing.prefix_run_cost, routing.prefix_balance_ratio,
+                            routing.prefix_balance_slack)
+    return PrefixAware(index, weights), index
+
+
 async def serve(settings: RouterSettings) -> None:
     telemetry, upstreams = settings.telemetry, settings.upstreams
     configure_tracing("router_svc", telemetry.otlp_endpoint, trace_file=telemetry.trace_file)
@@ -54,17 +71,34 @@ async def serve(settings: RouterSettings) -> None:
     cluster = RedisCluster(settings.admission.redis_url, settings.admission.pool,
                            router_id=settings.cluster.router_id, op_timeout=min(settings.admission.op_timeout, 1.0),
                            request_id_ttl=settings.cluster.request_id_ttl, session_ttl=settings.cluster.session_ttl,
-                           cancel_timeout=settings.cluster.cancel_timeout)
-    tokenizer = TokenizerUpstream(upstreams.tokenizers, upstreams.upstream_timeout,
+                           cancel_timeout=settings.cluster.cancel_timeout,
+                           redis_options=settings.admission.redis_options())
+    try:
+        discovery = discovery_from_settings(upstreams, settings.routing, settings.admission, settings.security)
+    except ValueError as exc:
+        raise SystemExit(f"router_svc: {exc}") from None
+    engines = discovery.pool
+    tokenizer = TokenizerUpstream(await resolve_once(upstreams.tokenizers), upstreams.upstream_timeout,
                                   max_calls=upstreams.tokenize_calls_in_flight,
                                   max_bytes=upstreams.tokenize_bytes_in_flight, security=settings.security)
-    engines = EnginePool(upstreams.engines, settings.routing.engine_poll_interval, security=settings.security,
-                         wake_delay=settings.routing.engine_wake_delay)
+    feeds: KvEventFeeds | None = None
+    pools: PoolControl | None = None
     try:
         await tenants.start()  # before the slow waits, so a SIGHUP during startup reloads, not kills
         await cluster.start()
         await _wait_tokenizer(tokenizer, upstreams.startup_timeout)
+        await discovery.start()   # static and dns: entries, the registry: before the first poll
         await engines.start()
+        placement, index = _placement(settings.routing)
+        if index is not None:   # the engines' KV events keep the prefix index current
+            feeds = KvEventFeeds(index, lambda address: engines.replica(address).stub)
+            feeds.sync(r.address for r in engines.replicas)
+            if hasattr(engines, "add_listener"):
+                engines.add_listener(feeds.on_membership)
+        # Engine pools: the traffic split (shared through Redis, changed at runtime) and shadow traffic.
+        pools = PoolControl(settings.pools, settings.admission, EnginesAdapter(engines), placement,
+                            lambda: list(tokenizer.meta.eos_token_ids) if tokenizer.meta else [])
+        await pools.start()
         adm = settings.admission
         await admission.start()
         limits = settings.limits
@@ -76,7 +110,8 @@ async def serve(settings: RouterSettings) -> None:
             bounds=Bounds(limits.max_session_id, limits.max_model_name, limits.max_messages,
                           limits.max_role_chars, limits.max_content_chars, limits.default_max_tokens),
             gate=gate, registry=cluster.registry, affinity=cluster.sessions,
-            default_max_queued=adm.default_max_queued)
+            default_max_queued=adm.default_max_queued, placement=placement,
+            engine_migrations=settings.routing.engine_migrations, pools=pools.selector, shadow=pools.shadow)
         server = GrpcServer(settings.server.host, settings.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
                             security=settings.security, reuse_port=settings.cluster.reuse_port)
         add_to_server(InferenceServicer(router, tenants), server.server)
@@ -91,9 +126,14 @@ async def serve(settings: RouterSettings) -> None:
         log.info("shutting_down", in_flight=router.in_flight)
         await server.stop(settings.server.shutdown_grace)
     finally:
+        if pools is not None:
+            await pools.close()
+        if feeds is not None:
+            await feeds.close()
         await tenants.close()
         await gate.close()
         await cluster.close()
+        await discovery.close()
         await engines.close()
         await tokenizer.close()
         await admission.close()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from services.config import Section, ServiceSettings, section
+from services.config import Section, ServiceSettings, conflict, section
 
 from .admission import AdmissionSettings
+from .discovery import parse_entry
+from .pools import format_weights, parse_weights
 from .tokenize_batch import MAX_BYTES, MAX_CALLS
 from .validation import DEFAULT_MAX_TOKENS
 
@@ -16,8 +18,22 @@ from .validation import DEFAULT_MAX_TOKENS
 class UpstreamSettings(Section):
     """Where the tokenizer and engine replicas are, and how calls to them are batched and bounded."""
 
-    tokenizers: list[str] = Field(default_factory=list, description="tokenizer_svc addresses, host:port")
-    engines: list[str] = Field(default_factory=list, description="engine_svc addresses, host:port")
+    tokenizers: list[str] = Field(default_factory=list, description="tokenizer_svc addresses: host:port, or "
+                                                                    "dns:host:port (every A/AAAA record one "
+                                                                    "replica; resolved once at start)")
+    engines: list[str] = Field(default_factory=list, description="engine_svc replicas, [pool@]address each (no "
+                                                                 "pool = 'default'): host:port, or dns:host:port "
+                                                                 "(every A/AAAA record one replica, re-resolved "
+                                                                 "every --dns-interval; a Kubernetes headless "
+                                                                 "service). With --engine-registry, may be empty")
+    engine_registry: bool = Field(False, description="also follow the engines that register themselves in Redis "
+                                                     "(the admission --redis-url and --pool; engine_svc "
+                                                     "--registry-redis-url): new ones join, those that miss "
+                                                     "their heartbeats leave; Redis down = keep the last set")
+    registry_interval: float = Field(1.0, ge=0.05, le=60, description="seconds between reads of the engine "
+                                                                      "registry (one Redis call each)")
+    dns_interval: float = Field(5.0, ge=0.1, le=3600, description="seconds between lookups of dns: entries of "
+                                                                  "--engines (a failed lookup keeps the last set)")
     upstream_timeout: float = Field(10.0, gt=0, description="timeout of unary calls to the tokenizer")
     startup_timeout: float = Field(60.0, gt=0, description="seconds to wait for upstreams at start")
     tokenize_calls_in_flight: int = Field(
@@ -28,19 +44,38 @@ class UpstreamSettings(Section):
         MAX_BYTES, ge=1, description="most input bytes in Tokenize calls in flight per tokenizer replica "
                                      "(below the replica's --max-pending-bytes)")
 
-    @field_validator("tokenizers", "engines")
+    @field_validator("tokenizers")
     @classmethod
     def _addresses(cls, addresses: list[str]) -> list[str]:
         for address in addresses:
-            if not address.strip() or ":" not in address:
-                raise ValueError(f"{address!r} is not an address (host:port, or unix:PATH)")
+            if not address.strip() or ":" not in address or "@" in address:
+                raise ValueError(f"{address!r} is not an address (host:port, unix:PATH or dns:host:port)")
         return addresses
+
+    @field_validator("engines")
+    @classmethod
+    def _entries(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            parse_entry(entry)   # ValueError says what is wrong
+        return entries
 
 
 class RoutingSettings(Section):
     """How requests are placed on engine replicas."""
 
-    engine_poll_interval: float = Field(1.0, gt=0, description="seconds between engine load polls")
+    engine_poll_interval: float = Field(1.0, gt=0, le=60, description="seconds between engine load polls "
+                                                                     "(GetLoad: load, readiness, and the circuit "
+                                                                     "breakers' failures and probes)")
+    engine_poll_timeout: float = Field(2.0, gt=0, le=60, description="seconds a load poll may take before it "
+                                                                     "counts as a failure of the replica")
+    breaker_failures: int = Field(3, ge=1, le=1000, description="consecutive failures of an engine replica (stream "
+                                                                "broken or stalled, load poll failed) that open its "
+                                                                "circuit breaker: out of rotation for a backoff")
+    breaker_backoff: float = Field(1.0, gt=0, le=600, description="seconds an engine replica's breaker stays open "
+                                                                  "the first time; doubled on each reopening "
+                                                                  "(after that, one probe: a poll or a request)")
+    breaker_max_backoff: float = Field(30.0, gt=0, le=3600, description="longest an engine replica's breaker "
+                                                                        "stays open (cap of the doubling)")
     engine_attempts: int = Field(2, ge=1, le=16, description="replicas to try when an engine fails before the "
                                                              "first token")
     engine_wake_delay: float = Field(
@@ -51,6 +86,36 @@ class RoutingSettings(Section):
         10.0, gt=0, le=600, description="seconds an engine may send nothing for a request: before the first "
                                         "token the attempt counts as broken (retried on another replica), after "
                                         "it the request fails with ENGINE_STALLED")
+
+    @model_validator(mode="after")
+    def _backoffs(self) -> RoutingSettings:
+        if self.breaker_max_backoff < self.breaker_backoff:
+            raise conflict("--breaker-max-backoff must be at least --breaker-backoff", "breaker_max_backoff",
+                           "breaker_backoff")
+        return self
+    engine_migrations: int = Field(
+        2, ge=0, le=16, description="times a request may move to another replica after its first token when its "
+                                    "replica breaks or stalls (prompt + tokens so far resubmitted; the client gets "
+                                    "a `migrated` event; 0 = fail the request instead)")
+    routing_policy: Literal["prefix", "least-loaded", "round-robin", "random", "session"] = Field(
+        "prefix", description="placement: prefix (prefix-cache hits from the engines' KV events weighed against "
+                              "load), least-loaded, round-robin, random, session (sticky else round-robin); "
+                              "every policy keeps sessions on their replica unless it is saturated")
+    prefix_load_cost: float = Field(
+        256.0, ge=0, le=1_000_000, description="prefix policy: prompt tokens of prefill that one request a new "
+                                               "one would wait behind (the replica's batch full) is worth")
+    prefix_run_cost: float = Field(
+        16.0, ge=0, le=1_000_000, description="prefix policy: prompt tokens of prefill that one request running "
+                                              "on a replica is worth (it shares every step; higher = balance "
+                                              "load over cache hits)")
+    prefix_balance_ratio: float = Field(
+        1.25, ge=1, le=100, description="prefix policy: a replica is a candidate only while its "
+                                        "requests are at most this times the least loaded replica's (or that "
+                                        "plus --prefix-balance-slack)")
+    prefix_balance_slack: int = Field(2, ge=0, le=10_000, description="prefix policy: see --prefix-balance-ratio")
+    prefix_pending_ttl: float = Field(
+        5.0, ge=0, le=600, description="prefix policy: seconds a prompt routed to a replica counts as cached "
+                                       "there before its KV events arrive")
 
 
 class LimitSettings(Section):
@@ -100,6 +165,38 @@ class ClusterSettings(Section):
                                                                 "router process holding the request")
 
 
+class PoolSettings(Section):
+    """Engine pools: the weighted traffic split between them and shadow traffic (router_svc/pools.py,
+    router_svc/shadow.py). `tokenrelay split set` overrides these at runtime through Redis, for every
+    router of the admission pool; `tokenrelay split reset` returns to them."""
+
+    traffic_split: str = Field("default=100", max_length=2048,
+                               description="engine pools and their weights, e.g. default=90,canary=10 (an "
+                                           "engine's pool: [pool@]host:port in --engines, else 'default')")
+    split_sticky: Literal["session", "tenant", "request"] = Field(
+        "session", description="what a request's pool is a function of: its session (else its tenant), its "
+                               "tenant, or the request alone (no stickiness)")
+    split_poll_interval: float = Field(2.0, ge=0.1, le=300, description="seconds between reads of the split "
+                                                                        "in Redis (a change is also announced "
+                                                                        "on pub/sub)")
+    shadow_pool: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9._-]*$",
+                             description="engine pool that requests are mirrored to (its answers are recorded, "
+                                         "never returned; empty = no shadow traffic)")
+    shadow_fraction: float = Field(0.0, ge=0, le=1, description="share of requests mirrored to --shadow-pool")
+    shadow_max_in_flight: int = Field(64, ge=1, le=100_000, description="most shadow requests this router has "
+                                                                        "in flight; more are dropped (counted)")
+    shadow_timeout: float = Field(120.0, gt=0, le=3600, description="seconds a shadow request may take at most "
+                                                                    "(also bounded by its primary's deadline)")
+    shadow_record_stream: int = Field(0, ge=0, le=10_000_000, description="keep the last N shadow records in "
+                                                                          "the Redis stream tq:{pool}:shadow "
+                                                                          "(0 = log and metrics only)")
+
+    @field_validator("traffic_split")
+    @classmethod
+    def _split(cls, value: str) -> str:
+        return format_weights(parse_weights(value))
+
+
 class RouterSettings(ServiceSettings):
     """router_svc: the client-facing front door of tokenrelay."""
 
@@ -115,6 +212,7 @@ class RouterSettings(ServiceSettings):
     routing: RoutingSettings = section(RoutingSettings, "routing")
     limits: LimitSettings = section(LimitSettings, "limits")
     cluster: ClusterSettings = section(ClusterSettings, "cluster (router processes sharing a port and Redis)")
+    pools: PoolSettings = section(PoolSettings, "engine pools (traffic split, shadow traffic)")
 
     @field_validator("tenants_file")
     @classmethod

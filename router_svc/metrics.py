@@ -95,3 +95,43 @@ ADMISSION_FAIL_OPEN = Counter("tokenrelay_router_admission_fail_open_total", "Re
                               "router's own limits because the admission store was unreachable (--fail-open)")
 LEASE_RELEASE_RETRIES = Counter("tokenrelay_router_lease_release_retries_total",
                                 "Lease releases that failed and were queued for the heartbeat loop to retry")
+
+# Engine pools (router_svc/pools.py) and shadow traffic (router_svc/shadow.py).
+POOL_REQUESTS = Counter("tokenrelay_router_pool_requests_total", "Requests by the engine pool the traffic split "
+                        "sent them to, and how: split (the pool their key hashes to) or fallback (that pool had no "
+                        "healthy, serving replica: the split's heaviest pool that has one)", ["pool", "how"])
+SPLIT_VERSION = Gauge("tokenrelay_router_split_version", "Version of the traffic split this router serves "
+                      "(Redis's counter; 0 = the router's --traffic-split)")
+SPLIT_WEIGHT = Gauge("tokenrelay_router_split_weight", "Share of requests (0 to 1) the split this router serves "
+                     "gives each engine pool", ["pool"])
+SPLIT_RELOADS = Counter("tokenrelay_router_split_reloads_total", "Reads of the split in Redis that changed what "
+                        "this router serves (changed), found it invalid (invalid: the old split stays) or failed",
+                        ["outcome"])
+SHADOW_REQUESTS = Counter("tokenrelay_router_shadow_requests_total", "Requests mirrored to the shadow pool, by "
+                          "result: match (same tokens as the primary), diverged, error (the shadow failed), "
+                          "aborted (the primary was cancelled or failed), dropped (--shadow-max-in-flight "
+                          "reached), no_replica (none serving in the shadow pool)", ["pool", "result"])
+SHADOW_IN_FLIGHT = Gauge("tokenrelay_router_shadow_in_flight", "Shadow requests this router has in flight")
+SHADOW_DIVERGENCE = Histogram("tokenrelay_router_shadow_divergence", "Share of token positions where the shadow's "
+                              "answer differs from the primary's (0 = identical; a length difference counts as "
+                              "differing positions)", ["pool"],
+                              buckets=(0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0))
+_RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
+SHADOW_TTFT_RATIO = Histogram("tokenrelay_router_shadow_ttft_ratio", "Shadow's time to first token over the "
+                              "primary's, both from the shadow's submission (primary placed)", ["pool"],
+                              buckets=_RATIO_BUCKETS)
+SHADOW_E2E_RATIO = Histogram("tokenrelay_router_shadow_e2e_ratio", "Shadow's time to its last token over the "
+                             "primary's, both from the shadow's submission", ["pool"], buckets=_RATIO_BUCKETS)
+
+# Engine replicas (router_svc/upstreams.py, router_svc/discovery.py).
+ENGINE_REPLICAS = Gauge("tokenrelay_router_engine_replicas", "Engine replicas in this router's pool by engine pool "
+                        "and state: ready, suspect (failed since its last success: no new work until the next), "
+                        "draining (no new work, not a failure), open (circuit breaker open: out of rotation for "
+                        "its backoff), half_open (one probe may go through)", ["pool", "state"])
+BREAKER_TRANSITIONS = Counter("tokenrelay_router_breaker_transitions_total", "Circuit-breaker transitions of "
+                              "engine replicas, by the state entered (open, half_open, closed)", ["to"])
+REPLICA_CHANGES = Counter("tokenrelay_router_engine_replica_changes_total", "Changes of the engine pool's "
+                          "membership: added, removed (retired: closed once its requests end), expired (its "
+                          "registry entry missed its heartbeats: its streams failed at once)", ["change"])
+DISCOVERY_FAILURES = Counter("tokenrelay_router_discovery_failures_total", "Reads of an engine source that failed "
+                             "(the last known replicas are kept), by source kind (dns, registry)", ["source"])
