@@ -181,7 +181,7 @@ class Admission:
         pool = aioredis.BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=settings.max_connections, timeout=backstop,
             socket_timeout=backstop, socket_connect_timeout=settings.op_timeout, health_check_interval=30,
-            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError])
+            retry=Retry(NoBackoff(), 1), retry_on_error=[RedisConnectionError], **settings.redis_options())
         self.redis = aioredis.Redis.from_pool(pool)
         self._scripts = {name: self.redis.register_script(getattr(queue_lua, name))
                          for name in ("ENQUEUE", "SETTLE", "CANCEL", "BEAT", "REAP")}

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from services.config import MaskedUrl, Section, conflict, flag
+from services.security import check_ca_file, check_cert_file, check_key_file, check_pair
 
 _PRIORITY_NAMES = {"low": 1, "normal": 2, "high": 3}
 
@@ -23,6 +26,14 @@ class AdmissionSettings(Section):
 
     redis_url: MaskedUrl = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss://, "
                                  "unix://); a password in it is never logged")
+    redis_ca_file: str = Field("", description="PEM CA certificates that verify the Redis server's certificate "
+                               "(rediss:// URLs; empty = the system's roots); the server's name is checked "
+                               "against the URL's host")
+    redis_cert_file: str = Field("", description="PEM client certificate for a Redis that requires one "
+                                 "(tls-auth-clients yes; rediss:// URLs)")
+    redis_key_file: str = Field("", description="PEM private key of --redis-cert-file (unencrypted)")
+    redis_password: SecretStr = Field(SecretStr(""), max_length=512, description="Redis password (AUTH), "
+                                      "instead of one in --redis-url; never logged")
     pool: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
                       description="admission pool name (the Redis keys' hash tag: one Cluster slot per pool)")
     lease_ttl: float = Field(15.0, gt=0, le=3600, description="seconds a lease (or a queued request) lives "
@@ -80,6 +91,21 @@ class AdmissionSettings(Section):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return url
 
+    @field_validator("redis_ca_file")
+    @classmethod
+    def _redis_ca(cls, path: str) -> str:
+        return check_ca_file(path) if path else path
+
+    @field_validator("redis_cert_file")
+    @classmethod
+    def _redis_cert(cls, path: str) -> str:
+        return check_cert_file(path) if path else path
+
+    @field_validator("redis_key_file")
+    @classmethod
+    def _redis_key(cls, path: str) -> str:
+        return check_key_file(path) if path else path
+
     @field_validator("queue_classes")
     @classmethod
     def _classes(cls, value: str) -> str:
@@ -94,6 +120,7 @@ class AdmissionSettings(Section):
         if self.queue_poll >= self.lease_ttl:
             raise conflict("queued requests' keep-alive (--queue-poll) must be shorter than the lease TTL",
                            "queue_poll", "lease_ttl")
+        self._redis_tls_consistent()
         names = {c.name for c in _parse_classes(self.queue_classes)}
         mapping = _parse_mapping(self.priority_classes)
         unknown = sorted(set(mapping.values()) - names)
@@ -101,6 +128,31 @@ class AdmissionSettings(Section):
             raise conflict(f"priority_classes names classes not in queue_classes: {', '.join(unknown)}",
                            "priority_classes", "queue_classes")
         return self
+
+    def _redis_tls_consistent(self) -> None:
+        tls = [f for f in ("redis_ca_file", "redis_cert_file", "redis_key_file") if getattr(self, f)]
+        if tls and not self.redis_url.startswith("rediss://"):
+            raise conflict(f"{', '.join(tls)} need a rediss:// URL (TLS)", "redis_url", *tls)
+        if bool(self.redis_cert_file) != bool(self.redis_key_file):
+            raise conflict("set both a client certificate and its key, or neither", "redis_cert_file",
+                           "redis_key_file")
+        if self.redis_cert_file and (problem := check_pair(self.redis_cert_file, self.redis_key_file)):
+            raise conflict(problem, "redis_cert_file", "redis_key_file")
+        if self.redis_password.get_secret_value() and _url_has_password(self.redis_url):
+            raise conflict("the Redis password is given twice: in the URL and as --redis-password", "redis_url",
+                           "redis_password")
+
+    def redis_options(self) -> dict[str, Any]:
+        """Keyword arguments of redis-py's clients and pools for this section's TLS files and password
+        (every Redis client of the router is opened with them)."""
+        options: dict[str, Any] = {}
+        if self.redis_ca_file:
+            options["ssl_ca_certs"] = self.redis_ca_file
+        if self.redis_cert_file:
+            options["ssl_certfile"], options["ssl_keyfile"] = self.redis_cert_file, self.redis_key_file
+        if self.redis_password.get_secret_value():
+            options["password"] = self.redis_password.get_secret_value()
+        return options
 
     @property
     def heartbeat(self) -> float:
@@ -151,3 +203,10 @@ def _parse_mapping(value: str) -> dict[str, str]:
     if missing:
         raise ValueError(f"priority_classes needs a class for {', '.join(missing)}")
     return mapping
+
+
+def _url_has_password(url: str) -> bool:
+    try:
+        return bool(urlsplit(url).password)
+    except ValueError:
+        return False

@@ -38,7 +38,7 @@ import json
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -107,10 +107,11 @@ class RedisCluster:
     heartbeat of its request ids. Owns its tasks (`start` / `close`)."""
 
     def __init__(self, redis_url: str, pool: str, *, router_id: str = "", op_timeout: float = 1.0,
-                 request_id_ttl: float = 15.0, session_ttl: float = 3600.0, cancel_timeout: float = 0.5) -> None:
+                 request_id_ttl: float = 15.0, session_ttl: float = 3600.0, cancel_timeout: float = 0.5,
+                 redis_options: Mapping[str, Any] | None = None) -> None:
         self.router_id = router_id or default_router_id()
         self.pool = pool
-        self.redis = open_redis(redis_url, op_timeout)
+        self.redis = open_redis(redis_url, op_timeout, **(redis_options or {}))
         self.pipe = Pipeliner(self.redis, op_timeout)
         self.op_timeout = op_timeout
         self.warn = Warned()

@@ -24,12 +24,14 @@ FALLBACKS = Counter("tokenrelay_router_cluster_fallbacks_total", "Cluster operat
                     "release, cancel, session) answered from this process's own view because Redis failed or "
                     "was slow", ["op"])
 
-def open_redis(url: str, timeout: float) -> aioredis.Redis:
+def open_redis(url: str, timeout: float, **options: Any) -> aioredis.Redis:
     """A client for cluster state: bounded timeouts, and one retry on a fresh connection when a
-    pooled one turns out dead (after a Redis restart), so no operation is lost to a stale socket."""
+    pooled one turns out dead (after a Redis restart), so no operation is lost to a stale socket.
+    ``options``: TLS files and password (`AdmissionSettings.redis_options`, as the admission pool)."""
     return aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
                              retry=Retry(NoBackoff(), 1),
-                             retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError])
+                             retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
+                             **options)
 
 
 _Op = tuple[str, tuple[Any, ...], "asyncio.Future[Any]", str]  # command or script, args, future, key

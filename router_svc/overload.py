@@ -123,7 +123,7 @@ class AcceptProbe:
         await self._task.close()
 
     async def _run(self) -> None:
-        channel = open_channel(self.address, self.security)
+        channel = open_channel(self.address, self.security.self_client())   # trusts its own certificate
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service="")
         try:

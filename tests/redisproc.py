@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -40,6 +41,39 @@ class RedisProc:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+
+
+class TlsRedisProc(RedisProc):
+    """redis-server listening only on a TLS port of 127.0.0.1 (no plaintext port, no unix socket),
+    requiring a password and, with ``auth_clients``, a client certificate signed by ``ca``."""
+
+    def __init__(self, tmp: pathlib.Path, cert: pathlib.Path, key: pathlib.Path, ca: pathlib.Path, password: str,
+                 *, auth_clients: bool = True) -> None:
+        super().__init__(tmp, appendonly=False)
+        self.tls = ["--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+                    "--tls-auth-clients", "yes" if auth_clients else "no", "--requirepass", password]
+        self.port = 0
+        self.url = ""
+
+    def start(self) -> None:
+        server = shutil.which("redis-server")
+        if server is None:
+            pytest.fail("redis-server is required")
+        with socket.socket() as s:   # a free port for redis to bind (it cannot report an ephemeral TLS port)
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"rediss://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen([server, "--port", "0", "--bind", "127.0.0.1", "--tls-port", str(self.port),
+                                      "--save", "", *self.persist, "--dir", str(self.dir), *self.tls],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server (TLS) did not start"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.01)
 
 
 @pytest.fixture

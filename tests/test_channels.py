@@ -57,12 +57,12 @@ async def test_loopback_health_round_trip():
 
 async def test_unknown_mode_is_refused():
     # A mode a later release may add, arriving at a build that does not know it.
-    future = SecuritySettings.model_construct(mode="tls")  # type: ignore[arg-type]
-    with pytest.raises(UnknownSecurityMode, match=r"unknown transport security mode 'tls'.*plaintext"):
+    future = SecuritySettings.model_construct(mode="quic")  # type: ignore[arg-type]
+    with pytest.raises(UnknownSecurityMode, match=r"unknown transport security mode 'quic'.*mtls, plaintext, tls"):
         open_channel("127.0.0.1:1", future)
     server = grpc.aio.server()
     try:
-        with pytest.raises(UnknownSecurityMode, match="'tls'"):
+        with pytest.raises(UnknownSecurityMode, match="'quic'"):
             bind_port(server, "127.0.0.1:0", future)
         with pytest.raises(UnknownSecurityMode):
             GrpcServer("127.0.0.1", 0, [], security=future)
@@ -72,4 +72,4 @@ async def test_unknown_mode_is_refused():
 
 def test_settings_refuse_an_unknown_mode():
     with pytest.raises(ValueError, match="mode"):
-        SecuritySettings(mode="tls")  # type: ignore[arg-type]
+        SecuritySettings(mode="quic")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from typing import Any
 
 from services.client import Client, Finished, TextDelta
 from services.errors import TokenrelayError
+from services.security import PLAINTEXT, SecuritySettings
 
 BANNER = "type a message; Ctrl-C stops a reply, Ctrl-C at the prompt or Ctrl-D quits"
 
@@ -84,12 +85,13 @@ async def _reply(chat: Any, line: str, sampling: dict[str, Any], interrupts: _In
         interrupts.stop_reply = None
 
 
-async def run_chat(address: str, api_key: str, system: str | None, sampling: dict[str, Any]) -> int:
+async def run_chat(address: str, api_key: str, system: str | None, sampling: dict[str, Any], *,
+                   security: SecuritySettings = PLAINTEXT) -> int:
     loop = asyncio.get_running_loop()
     interrupts = _Interrupts()
     loop.add_signal_handler(signal.SIGINT, interrupts)
     try:
-        async with Client(address, api_key) as client, client.chat(system=system) as chat:
+        async with Client(address, api_key, security=security) as client, client.chat(system=system) as chat:
             print(f"[session {chat.session_id}] {BANNER}", file=sys.stderr)
             lines = _stdin_lines(loop)
             while True:
