@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services.errors import TokenrelayError
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.wire import FINISH_CODES
 
@@ -76,12 +77,26 @@ def kv_event_to_proto(e: KvEvent) -> engine_pb2.KvCacheEvent:
         blocks=[engine_pb2.KvBlock(block_hash=b.block_hash & _MASK64, tokens=b.token_ids,
                                    cache_level=b.cache_level, priority=b.priority) for b in e.blocks],
         block_hashes=[h & _MASK64 for h in e.block_hashes],
-        num_blocks_per_cache_level=e.num_blocks_per_cache_level)
+        num_blocks_per_cache_level=e.num_blocks_per_cache_level, cache_salt=e.cache_salt)
 
 
-async def _inbound(messages: AsyncIterator[engine_pb2.EngineInbound]) -> AsyncIterator[Inbound]:
-    async for m in messages:
-        yield Inbound([request_from_proto(r) for r in m.submit], list(m.abort))
+class _Inbound:
+    """A Stream's inbound side as `Inbound`s. A message that does not decode (the interceptor raises
+    MALFORMED_MESSAGE while the session's reader task reads it) is kept here and closes the session,
+    aborting its requests: the stream then ends with that error instead of a clean half-close."""
+
+    def __init__(self, messages: AsyncIterator[engine_pb2.EngineInbound], session: StreamSession) -> None:
+        self._messages = messages
+        self._session = session
+        self.error: TokenrelayError | None = None
+
+    async def __aiter__(self) -> AsyncIterator[Inbound]:
+        try:
+            async for m in self._messages:
+                yield Inbound([request_from_proto(r) for r in m.submit], list(m.abort))
+        except TokenrelayError as exc:
+            self.error = exc
+            self._session.close()
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -94,12 +109,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # The RPC ending for any reason (client gone, deadline, server stop) aborts its requests,
         # even while this generator is parked in a write and never resumed.
         context.add_done_callback(lambda _ctx: session.close())
-        async for chunks in session.run(_inbound(request_iterator)):
+        inbound = _Inbound(request_iterator, session)
+        async for chunks in session.run(aiter(inbound)):
             message = engine_pb2.EngineOutbound(chunks=[chunk_to_proto(c) for c in chunks])
             report = session.take_load()
             if report is not None:
                 message.load.CopyFrom(load_to_proto(*report))
             yield message
+        if inbound.error is not None:
+            raise inbound.error
 
     async def Abort(self, request: engine_pb2.EngineAbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.EngineAbortResponse:
@@ -115,7 +133,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.KvEventBatch]:
         engine = self._engine
         load = engine.load()
-        enabled = engine.backend.emits_kv_events and engine.health is not HealthState.DEAD
+        enabled = engine.backend.emits_kv_events and engine.health is HealthState.SERVING
         subscription = engine.subscribe_kv_events()
         context.add_done_callback(lambda _ctx: subscription.close())
         try:

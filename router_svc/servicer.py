@@ -1,30 +1,24 @@
 """Inference servicer: protobuf ↔ domain conversion only (errors map in the interceptor).
 
-`add_to_server` registers the service like the generated helper, except that Chat receives raw
-bytes and decodes them here: a message that does not decode (corrupt wire format, invalid UTF-8
-in a string) ends the stream with INVALID_ARGUMENT / MALFORMED_MESSAGE instead of leaving it
-without a status.
+A request that does not decode (corrupt wire format, invalid UTF-8 in a string), unary or inside
+the Chat stream, never reaches this module: `services.grpc_util.ErrorInterceptor` answers it with
+INVALID_ARGUMENT / MALFORMED_MESSAGE.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from services.errors import Reason
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.wire import FINISH_CODES
 
 from .chat import ChatCancel, ChatIn, ChatStart, ChatStarted, ChatTurn, Sessions, run_chat
 from .pipeline import Router
 from .tenants import Authenticator, Tenant, api_key_from_metadata
-from .types import Accepted, Delta, Done, Event, GenerateInput, Sampling, TurnError
-
-SERVICE = "tokenrelay.v1.Inference"
+from .types import Accepted, Delta, Done, Event, GenerateInput, Migrated, Sampling, TurnError
 
 
 def sampling_from_pb(s: common_pb2.SamplingParams) -> Sampling:
@@ -58,6 +52,9 @@ def event_to_pb(event: Event) -> dict[str, object]:
         return {"accepted": inference_pb2.Accepted(request_id=event.request_id,
                                                    prompt_tokens=event.prompt_tokens,
                                                    queue_position=event.queue_position)}
+    if isinstance(event, Migrated):
+        return {"migrated": inference_pb2.Migrated(migrations=event.migrations, tokens_so_far=event.tokens_so_far,
+                                                   reason=event.reason)}
     assert isinstance(event, Done)
     u, t = event.usage, event.timings
     return {"done": inference_pb2.Done(
@@ -75,16 +72,8 @@ def turn_error_to_pb(e: TurnError) -> inference_pb2.TurnError:
                                    request_id=e.request_id)
 
 
-def decode_chat_request(data: bytes) -> inference_pb2.ChatRequest:
-    try:
-        return inference_pb2.ChatRequest.FromString(data)
-    except DecodeError as exc:
-        raise Reason.MALFORMED_MESSAGE.error(f"a chat message does not decode: {exc}") from None
-
-
-async def _chat_in(requests: AsyncIterator[bytes]) -> AsyncIterator[ChatIn]:
-    async for data in requests:
-        r = decode_chat_request(data)
+async def _chat_in(requests: AsyncIterator[inference_pb2.ChatRequest]) -> AsyncIterator[ChatIn]:
+    async for r in requests:
         which = r.WhichOneof("event")
         if which == "start":
             yield ChatStart(r.start.session_id, _messages(r.start.system), int(r.start.priority),
@@ -114,7 +103,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async for event in self.router.generate(tenant, generate_input_from_pb(request), deadline, t_arrival):
             yield inference_pb2.GenerateResponse(**event_to_pb(event))  # type: ignore[arg-type]
 
-    async def Chat(self, request_iterator: AsyncIterator[Any],
+    async def Chat(self, request_iterator: AsyncIterator[inference_pb2.ChatRequest],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.ChatResponse]:
         tenant = self._tenant(context)
         async for event in run_chat(self.router, self.sessions, tenant, _chat_in(request_iterator)):
@@ -132,17 +121,4 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """The generated registration, with Chat's requests left as bytes (decoded in `_chat_in`)."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=inference_pb2.GenerateRequest.FromString,
-            response_serializer=inference_pb2.GenerateResponse.SerializeToString),
-        "Chat": grpc.stream_stream_rpc_method_handler(
-            servicer.Chat, request_deserializer=None,
-            response_serializer=inference_pb2.ChatResponse.SerializeToString),
-        "Cancel": grpc.unary_unary_rpc_method_handler(
-            servicer.Cancel, request_deserializer=inference_pb2.CancelRequest.FromString,
-            response_serializer=inference_pb2.CancelResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)  # type: ignore[attr-defined]
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)

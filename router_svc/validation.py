@@ -98,6 +98,8 @@ def validate_input(inp: GenerateInput, meta: TokenizerMeta | None, bounds: Bound
             raise Reason.EMPTY_PROMPT.error("token_ids is empty")
         if meta is not None and meta.vocab_size and max(inp.token_ids) >= meta.vocab_size:
             raise Reason.INVALID_TOKEN_ID.error(f"token id beyond the vocabulary ({meta.vocab_size})")
+    if meta is not None and meta.vocab_size and max(inp.sampling.stop_token_ids, default=0) >= meta.vocab_size:
+        raise Reason.INVALID_TOKEN_ID.error(f"stop token id beyond the vocabulary ({meta.vocab_size})")
 
 
 def check_lengths(ids: list[int], sampling: Sampling, tenant: Tenant, max_context: int,

@@ -1,14 +1,21 @@
 """gRPC plumbing shared by every service: the server lifecycle and the error boundary.
 
 `ErrorInterceptor` is the one place where a `TokenrelayError` raised by domain code becomes a
-gRPC status (code, details, reason in trailing metadata); anything else becomes INTERNAL with
-reason ``INTERNAL`` and is logged. Servicers therefore contain no try/except.
+gRPC status (code, details, reason in trailing metadata); a generated servicer's unimplemented
+method (NotImplementedError) becomes UNIMPLEMENTED; anything else becomes INTERNAL with reason
+``INTERNAL`` and is logged. Servicers therefore contain no try/except.
+
+It also owns decoding: every method's request deserializer is wrapped so that it never raises (gRPC
+would answer UNKNOWN before any project code ran, or hand the exception to the handler mid-stream);
+bytes that do not decode become INVALID_ARGUMENT / MALFORMED_MESSAGE, for a unary request before
+the handler runs, inside a client stream where the handler reads that message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -29,14 +36,54 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     if isinstance(exc, TokenrelayError):
         context.set_trailing_metadata(exc.trailing_metadata())
         await context.abort(exc.code, exc.message)
+    if isinstance(exc, NotImplementedError):
+        # A generated servicer's method that nobody implemented (the standard health service's List).
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
     log.exception("unhandled_error", method=method, exc_info=exc)
     context.set_trailing_metadata(((REASON_KEY, str(Reason.INTERNAL)),))
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+class Undecodable:
+    """What a wrapped request deserializer returns for bytes that do not decode."""
+
+    __slots__ = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+
+    def error(self, method: str) -> TokenrelayError:
+        return Reason.MALFORMED_MESSAGE.error(f"a {method} request does not decode: {self.detail}")
+
+
+def tolerant_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserialize`` that returns an `Undecodable` instead of raising (None: raw bytes stay raw)."""
+    if deserialize is None:
+        return None
+
+    def tolerant(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever a custom deserializer raises
+            return Undecodable(f"{type(exc).__name__}: {exc}")
+    return tolerant
+
+
+def _decoded(request: Any, method: str) -> Any:
+    if isinstance(request, Undecodable):
+        raise request.error(method)
+    return request
+
+
+async def _decoded_stream(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _decoded(request, method)
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, stream_in: bool) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            request = _decoded_stream(request, method) if stream_in else _decoded(request, method)
             return await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -45,9 +92,16 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[...,
     return wrapper
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(fn: Callable[..., Any], method: str, stream_in: bool) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(fn):
+        # A handler that writes with `context.write` and returns None (the standard health
+        # service's Watch): grpc tells the two styles apart by the function, so this wrapper
+        # must be a coroutine function too.
+        return _wrap_unary(fn, method, stream_in)
+
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            request = _decoded_stream(request, method) if stream_in else _decoded(request, method)
             async for item in fn(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -64,14 +118,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        decode = tolerant_deserializer(handler.request_deserializer)
         if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method, False),
+                                    request_deserializer=decode)
         if handler.stream_unary:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method))
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method, True),
+                                    request_deserializer=decode)
         if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method, False),
+                                    request_deserializer=decode)
         if handler.stream_stream:
-            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method))
+            return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method, True),
+                                    request_deserializer=decode)
         return handler
 
 

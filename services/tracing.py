@@ -9,6 +9,7 @@ in-memory exporter in tests, and nowhere otherwise (the SDK still creates ids so
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -113,15 +114,26 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
         ctx = extract(carrier)
 
         def wrap(fn: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-            if streaming:
+            if streaming and inspect.isasyncgenfunction(fn):
                 async def gen(request: Any, context: Any) -> Any:
-                    token = otel_context.attach(ctx)
+                    # Attached and detached around each step, never across a yield: a generator
+                    # closed by a cancelled client is finalized in another context, where a detach
+                    # of a token from this one fails ("Failed to detach context").
+                    inner = fn(request, context)
                     try:
-                        async for item in fn(request, context):
+                        while True:
+                            token = otel_context.attach(ctx)
+                            try:
+                                item = await inner.__anext__()
+                            except StopAsyncIteration:
+                                return
+                            finally:
+                                otel_context.detach(token)
                             yield item
                     finally:
-                        otel_context.detach(token)
+                        await inner.aclose()
                 return gen
+            # unary handlers, and streaming ones that write with `context.write` (health Watch)
 
             async def unary(request: Any, context: Any) -> Any:
                 token = otel_context.attach(ctx)

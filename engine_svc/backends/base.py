@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -268,8 +269,11 @@ class Backend(ABC):
                 f"({self.max_context})")
         if self.vocab_size and max(request.prompt_token_ids) >= self.vocab_size:
             raise Reason.INVALID_TOKEN_ID.error(f"prompt token id beyond the vocabulary ({self.vocab_size})")
-        if request.temperature < 0 or not 0 <= request.top_p <= 1 or request.top_k < 0:
-            raise Reason.INVALID_SAMPLING.error("temperature must be >= 0, top_p in [0, 1], top_k >= 0")
+        if self.vocab_size and max((*request.eos_token_ids, *request.stop_token_ids), default=0) >= self.vocab_size:
+            raise Reason.INVALID_TOKEN_ID.error(f"EOS or stop token id beyond the vocabulary ({self.vocab_size})")
+        # `not 0 <= x` also refuses NaN; an infinite temperature is finite nowhere in a sampler.
+        if not 0 <= request.temperature < math.inf or not 0 <= request.top_p <= 1 or request.top_k < 0:
+            raise Reason.INVALID_SAMPLING.error("temperature must be finite and >= 0, top_p in [0, 1], top_k >= 0")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """One request as an async iterator; closing or cancelling the consumer aborts it."""
