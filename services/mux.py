@@ -170,12 +170,14 @@ class MuxClient(Generic[Item]):
                  split: Callable[[Any], list[tuple[str, Any]]],
                  on_message: Callable[[Any], None] | None = None, max_wake_delay: float = 0.0,
                  convert: Callable[[Any], Item] | None = None,
-                 merge: Callable[[Item, Any], bool] | None = None) -> None:
+                 merge: Callable[[Item, Any], bool] | None = None,
+                 on_broken: Callable[[TokenrelayError], None] | None = None) -> None:
         self.name = name
         self._open_call = open_call
         self._build = build
         self._split = split
         self._on_message = on_message
+        self._on_broken = on_broken      # the stream broke (not closed by us): a transport failure
         self._convert = convert
         self._merge = merge
         self._waker = _Waker(max_wake_delay)
@@ -262,6 +264,8 @@ class MuxClient(Generic[Item]):
                             inbox.wake()   # a first item goes at once
         except grpc.aio.AioRpcError as exc:
             error = stream_error(exc, self.name)
+            if self._on_broken is not None and not self._closed:
+                self._on_broken(error)
         except asyncio.CancelledError:
             call.cancel()
             raise

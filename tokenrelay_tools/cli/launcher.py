@@ -11,6 +11,16 @@ client connections over them; every router is pointed at every engine and tokeni
 the one Redis (request ids, Cancel and sessions work whichever router holds a stream).
 Stopping sends SIGTERM in reverse start order, then SIGKILL after a grace period.
 
+Supervision (`supervise`, once everything is up): a service that exits is started again with the
+same command line, on the same port (routers and engines know each other by host:port; the routers'
+shared port is bound with SO_REUSEPORT) or the same Redis socket, after a backoff; one that keeps
+crashing is left down and reported, while the rest keep serving. The policy (when, and whether)
+is pure logic in `supervisor.py`; this module acts on it. Each restart is one line of the
+launcher's log and is counted in the state file (`tokenrelay status` shows the counts). The Redis
+it starts keeps an append-only file in the run directory (appendfsync everysec, noeviction), so a
+restarted Redis has the leases and queue entries of admitted requests, all but at most the last
+second's writes; a new `up` starts from an empty one.
+
 Before starting anything it takes its run directory (`preflight`: a second mesh there is refused,
 so nothing another mesh owns, its Redis socket above all, is ever unlinked) and checks the router
 port; a router that still fails to bind is reported in one line, as a port in use.
@@ -29,6 +39,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.grpc_util import wait_healthy
@@ -36,6 +47,7 @@ from tokenrelay_tools import env
 
 from .device import Device, choose_device, default_prompt_cap
 from .preflight import Refused, bind_failure, check_port_free, claim_run_dir, port_in_use, release_run_dir
+from .supervisor import RestartPolicy, ServiceRecord, describe_exit
 
 CACHE = env.cache_root()
 DEFAULT_STATE = CACHE / "local.json"
@@ -62,6 +74,11 @@ class MeshOptions:
     tokenizer_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     tenants_file: pathlib.Path | None = None   # served instead of the generated dev tenant
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+
+# What `tokenrelay status` shows for each state of a supervised process.
+UP, STARTING, BACKOFF, DOWN = "up", "restarting", "waiting to restart", "down"
 
 
 @dataclass
@@ -69,6 +86,17 @@ class _Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: pathlib.Path
+    argv: list[str] = field(default_factory=list)
+    port_file: pathlib.Path | None = None     # None: redis (its socket is fixed)
+    address: str = ""
+    record: ServiceRecord = field(default_factory=lambda: ServiceRecord(RestartPolicy()))
+    state: str = UP
+    due: float = 0.0                          # BACKOFF: when to start it again
+    checking: asyncio.Task[None] | None = None   # STARTING: its health check
+
+    @property
+    def role(self) -> str:
+        return self.name.rstrip("0123456789")
 
 
 class Mesh:
@@ -90,12 +118,8 @@ class Mesh:
         logs = self.o.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
-        log_file = open(log_path, "ab")
-        child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
-                                 start_new_session=True, preexec_fn=_die_with_parent)
-        log_file.close()
-        proc = _Proc(name, popen, log_path)
+        proc = _Proc(name, _popen(argv, log_path), log_path, argv,
+                     record=ServiceRecord(self.o.restart, started_at=time.monotonic()))
         self.procs.append(proc)
         return proc
 
@@ -107,7 +131,9 @@ class Mesh:
         argv = [sys.executable, "-m", module, "--host", self.o.host, "--port", str(port),
                 "--port-file", str(port_file), "--log-format", "console", "--log-level", self.o.log_level,
                 "--metrics-port", "0", "--metrics-port-file", str(metrics_file), *extra]
-        return self._spawn(name, argv), port_file
+        proc = self._spawn(name, argv)
+        proc.port_file = port_file
+        return proc, port_file
 
     async def _wait_port(self, proc: _Proc, port_file: pathlib.Path) -> str:
         deadline = time.monotonic() + self.o.startup_timeout
@@ -122,8 +148,11 @@ class Mesh:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{proc.name} did not start in {self.o.startup_timeout}s")
             await asyncio.sleep(0.05)
-        address = f"{self.o.host}:{port_file.read_text().strip()}"
+        port = port_file.read_text().strip()
+        address = f"{self.o.host}:{port}"
         await wait_healthy(address, timeout=30)
+        # A restart binds this port again: routers hold engines and tokenizers by host:port.
+        proc.address, proc.argv = address, _with_port(proc.argv, port)
         return address
 
     async def _start_redis(self) -> None:
@@ -135,15 +164,19 @@ class Mesh:
                                "or pass --redis-url")
         sock = self.o.run_dir / "redis.sock"
         sock.unlink(missing_ok=True)
+        # A new mesh starts from an empty Redis: a previous run's leases would hold capacity.
+        shutil.rmtree(self.o.run_dir / REDIS_AOF_DIR, ignore_errors=True)
         proc = self._spawn("redis", [server, "--port", "0", "--unixsocket", str(sock),
-                                     "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
-                                     "--maxmemory-policy", "noeviction"])
+                                     "--unixsocketperm", "700", "--save", "", "--dir", str(self.o.run_dir),
+                                     "--appendonly", "yes", "--appendfsync", "everysec",
+                                     "--appenddirname", REDIS_AOF_DIR, "--maxmemory-policy", "noeviction"])
         deadline = time.monotonic() + 10
         while not sock.exists():
             if proc.popen.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start:\n{tail(proc.log_path)}")
             await asyncio.sleep(0.02)
         self.redis_url = f"unix://{sock}"
+        proc.address = self.redis_url
 
     def _write_tenants(self) -> pathlib.Path:
         import hashlib
@@ -249,11 +282,100 @@ class Mesh:
                        "tokenizers": self.tokenizer_addresses, "engines": self.engine_addresses,
                        "routers": len(self.router_addresses), "device": self.device.name,
                        "max_prompt_tokens": self.prompt_cap,
-                       "run_dir": str(self.o.run_dir), "metrics": self.metrics}, f)
+                       "run_dir": str(self.o.run_dir), "metrics": self.metrics,
+                       "services": self.services()}, f)
         os.replace(tmp, self.o.state_file)
 
-    def dead(self) -> _Proc | None:
-        return next((p for p in self.procs if p.popen.poll() is not None), None)
+    def services(self) -> dict[str, dict[str, object]]:
+        """Every supervised process: state, restarts, pid, address (the state file's `services`)."""
+        return {p.name: {"state": p.state, "restarts": p.record.restarts,
+                         "pid": p.popen.pid if p.popen.poll() is None else None, "address": p.address}
+                for p in self.procs}
+
+    # ------------------------------------------------------------------ supervision
+    async def supervise(self, say: Callable[[str], None], tick: float = 0.1) -> str:
+        """Restart what exits, as `self.o.restart` says, until a whole role is down (every router,
+        engine or tokenizer, or the Redis it started: nothing can be served); returns why."""
+        try:
+            while True:
+                now = time.monotonic()
+                for proc in self.procs:
+                    if proc.state in (UP, STARTING) and proc.popen.poll() is not None:
+                        self._exited(proc, now, say)
+                    elif proc.state == BACKOFF and now >= proc.due:
+                        self._restart(proc, now)
+                    elif proc.state == STARTING and proc.checking is None and self._published(proc):
+                        proc.checking = asyncio.create_task(self._confirm(proc, say))
+                for role in {p.role for p in self.procs}:
+                    if all(p.state == DOWN for p in self.procs if p.role == role):
+                        return f"every {role} is down: nothing can be served"
+                await asyncio.sleep(tick)
+        finally:
+            for proc in self.procs:
+                if proc.checking is not None:
+                    proc.checking.cancel()
+
+    def _exited(self, proc: _Proc, now: float, say: Callable[[str], None]) -> None:
+        code = proc.popen.returncode
+        ran = now - proc.record.started_at
+        decision = proc.record.exited(now)
+        if proc.checking is not None:
+            proc.checking.cancel()
+            proc.checking = None
+        if decision.restart:
+            proc.state, proc.due = BACKOFF, now + decision.delay
+            say(f"{proc.name} exited ({describe_exit(code)}) after {ran:.1f} s: restart {decision.number} "
+                f"in {decision.delay:g} s")
+        else:
+            proc.state = DOWN
+            p = self.o.restart
+            times = "time" if decision.recent == 1 else "times"
+            why = (f"restarted {decision.recent} {times} in the last {p.window:g} s" if p.max_restarts
+                   else "restarts are off (--max-restarts 0)")
+            say(f"{proc.name} keeps crashing ({describe_exit(code)}; {why}): left down, the rest keep serving; "
+                f"last lines of {proc.log_path}:\n" + _indent(tail(proc.log_path, 6)))
+        self._write_state()
+
+    def _restart(self, proc: _Proc, now: float) -> None:
+        if proc.port_file is not None:
+            proc.port_file.unlink(missing_ok=True)
+            (self.o.run_dir / f"{proc.name}.metrics-port").unlink(missing_ok=True)
+        else:  # redis: its socket file is left behind by a kill
+            (self.o.run_dir / "redis.sock").unlink(missing_ok=True)
+        with open(proc.log_path, "ab") as log:
+            log.write(f"--- tokenrelay up: restart {proc.record.restarts} ---\n".encode())
+        proc.popen = _popen(proc.argv, proc.log_path)
+        proc.record.started(now)
+        proc.state = STARTING
+        self._write_state()
+
+    def _published(self, proc: _Proc) -> bool:
+        if proc.port_file is None:
+            return (self.o.run_dir / "redis.sock").exists()
+        return proc.port_file.exists() and (self.o.run_dir / f"{proc.name}.metrics-port").exists()
+
+    async def _confirm(self, proc: _Proc, say: Callable[[str], None]) -> None:
+        """A restarted service is UP once it answers SERVING (Redis: PONG, i.e. its AOF is loaded)."""
+        try:
+            if proc.port_file is not None:
+                await wait_healthy(proc.address, timeout=30)
+                metrics_port = (self.o.run_dir / f"{proc.name}.metrics-port").read_text().strip()
+                self.metrics[proc.name] = f"http://{self.o.host}:{metrics_port}/metrics"
+            else:
+                await _redis_ready(self.o.run_dir / "redis.sock", timeout=30)
+        except (TimeoutError, OSError):
+            return  # not healthy: it is killed at stop, or exits and is seen as a crash
+        finally:
+            proc.checking = None
+        if proc.state == STARTING and proc.popen.poll() is None:
+            proc.state = UP
+            took = time.monotonic() - proc.record.started_at
+            say(f"{proc.name} is back on {proc.address} (restart {proc.record.restarts}, pid {proc.popen.pid}, "
+                f"{took:.1f} s to serve)")
+            self._write_state()
+
+    def restart_counts(self) -> dict[str, int]:
+        return {p.name: p.record.restarts for p in self.procs if p.record.restarts}
 
     def stop(self, grace: float = 15.0) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -272,6 +394,46 @@ class Mesh:
                 proc.popen.wait()
         self.procs.clear()
         release_run_dir(self.o.run_dir)  # last: every process of this mesh is gone
+
+
+REDIS_AOF_DIR = "redis-aof"   # under the run dir: the append-only file of the Redis `up` starts
+
+
+async def _redis_ready(sock: pathlib.Path, timeout: float) -> None:
+    """Until the Redis on `sock` answers PING with PONG (while it loads its AOF it answers -LOADING)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError):
+            reader, writer = await asyncio.open_unix_connection(str(sock))
+            try:
+                writer.write(b"PING\r\n")
+                if (await asyncio.wait_for(reader.readline(), 1.0)).startswith(b"+PONG"):
+                    return
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                writer.close()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"redis on {sock} not ready after {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+def _popen(argv: list[str], log_path: pathlib.Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _with_port(argv: list[str], port: str) -> list[str]:
+    """`argv` with the value of its (first) --port replaced."""
+    i = argv.index("--port")
+    return [*argv[:i + 1], port, *argv[i + 2:]]
+
+
+def _indent(text: str) -> str:
+    """Log lines under a report, each cut to 300 characters (a service's settings line is ~3k)."""
+    return "\n".join(f"    {line[:300]}" + ("..." if len(line) > 300 else "") for line in text.splitlines())
 
 
 def _name(role: str, index: int) -> str:

