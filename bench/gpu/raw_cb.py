@@ -22,6 +22,8 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=8192)
     p.add_argument("--max-batch-tokens", type=int, default=8192)
     p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--device", default="cuda", help="torch device (cpu for a dry run)")
+    p.add_argument("--dtype", default="bfloat16", help="weights' dtype (float32 on a CPU)")
     a = p.parse_args()
 
     import torch
@@ -29,8 +31,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(a.model)
-    with torch.device("cuda"):  # random init on the GPU: seconds, not minutes on the host CPU
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    with torch.device(a.device):  # random init on the GPU: seconds, not minutes on the host CPU
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=getattr(torch, a.dtype))
     model = model.eval()
     print("model ready", flush=True, file=__import__("sys").stderr)
     manager = model.init_continuous_batching(
