@@ -46,13 +46,15 @@ from .ports import (
     Grant,
     LoadGate,
     Placement,
+    PoolSelector,
     RequestRegistry,
     SessionAffinity,
+    Shadow,
     Tokenize,
 )
 from .request import LocalRequestRegistry, RequestState
 from .tenants import Tenant, tenant_limits
-from .types import Accepted, Delta, DetokOut, Done, Event, GenerateInput
+from .types import Accepted, Delta, DetokOut, Done, Event, GenerateInput, Migrated
 from .validation import DEFAULT_BOUNDS, MAX_REQUEST_ID, Bounds, check_lengths, validate_input
 
 log = get_logger(__name__)
@@ -80,6 +82,7 @@ class RouterOptions:
     progress_timeout: float = 10.0
     bounds: Bounds = DEFAULT_BOUNDS
     default_max_queued: int = 256     # a tenant's max_queued when its entry sets none
+    engine_migrations: int = 2        # moves to another replica after the first token
 
 
 @dataclass
@@ -92,6 +95,8 @@ class Ports:
     affinity: SessionAffinity = field(default_factory=LocalSessionAffinity)
     registry: RequestRegistry = field(default_factory=LocalRequestRegistry)
     gate: LoadGate = field(default_factory=_OpenGate)
+    pools: PoolSelector | None = None
+    shadow: Shadow | None = None
 
 
 def _coarse_ready(inp: GenerateInput, tokens: int, since_last: float) -> bool:
@@ -119,7 +124,7 @@ class Router:
         self.options = options or RouterOptions()
         o = self.options
         self.stage = EngineStage(ports.engines, ports.placement, ports.affinity, o.engine_attempts,
-                                 o.progress_timeout)
+                                 o.progress_timeout, o.engine_migrations, ports.pools, ports.shadow)
         self._live: dict[tuple[str, str], RequestState] = {}
 
     @property
@@ -242,9 +247,10 @@ class Router:
                 # Scoped by tenant: one tenant's session id can never reach another's cached prefix.
                 key = f"{tenant.name}/{inp.session_id}" if inp.session_id else ""
                 state.prompt_ids = await tok.tokenize(messages=inp.messages, timeout=state.remaining(),
-                                                      cache_key=key)
+                                                      cache_key=key, allow_special_tokens=tenant.allow_control_tokens)
             else:
-                state.prompt_ids = await tok.tokenize(text=inp.prompt, timeout=state.remaining())
+                state.prompt_ids = await tok.tokenize(text=inp.prompt, timeout=state.remaining(),
+                                                      allow_special_tokens=tenant.allow_control_tokens)
         state.t_tokenized = time.monotonic()
         state.timings.tokenize_seconds = state.t_tokenized - t
         state.check_deadline()
@@ -299,7 +305,7 @@ class Router:
         try:
             final: _Merged | None = None
             async for item in self._deltas(state, detok, metrics):
-                if isinstance(item, Delta):
+                if isinstance(item, (Delta, Migrated)):
                     yield item
                 else:
                     final = item
@@ -315,15 +321,19 @@ class Router:
             detok.close(flushed=flushed)
 
     async def _deltas(self, state: RequestState, detok: DetokSessionPort,
-                      metrics: RequestMetrics) -> AsyncIterator[Delta | _Merged]:
+                      metrics: RequestMetrics) -> AsyncIterator[Delta | Migrated | _Merged]:
         """Client deltas: every output ready merged into one; coarser when the client asked.
-        The last item is the final `_Merged` (how the detokenizer ended)."""
+        A move to another replica is announced (`Migrated`) before the next delta. The last item
+        is the final `_Merged` (how the detokenizer ended)."""
         inp = state.inp
         pending: list[str] = []
-        emitted = counted = 0
+        emitted = counted = migrations = 0
         last_write = 0.0
         while True:
             merged = _merge(await detok.next_ready(), state)
+            if state.migrations > migrations:
+                migrations = state.migrations
+                yield Migrated(migrations, state.migration_tokens, state.migration_reason)
             if merged.text:
                 pending.append(merged.text)
             limit = merged.tokens_consumed if merged.matched_stop else len(state.generated)

@@ -15,6 +15,7 @@ Keys are stored as SHA-256 hex digests, never in plain text::
         weight: 1                         # share of the engines when tenants compete (fair queue)
         max_queued: 64                    # requests waiting in the queue (unset = the router's default)
         tokens_per_minute: 0              # prompt + completion tokens per minute (0 = unlimited)
+        allow_control_tokens: false       # special-token text in prompts/messages is parsed as tokens
 
 Every field of `Tenant` is documented there. A file with an unknown key, a value of the wrong type
 or out of range, two tenants of one name or one key refuses to load as a whole (`TenantsFileError`,
@@ -117,6 +118,12 @@ class Tenant(BaseModel):
     default_priority: int = Field(
         PRIORITIES["normal"], description="priority of a request that names none: low | normal | high, at most "
                                           "priority_ceiling (default: normal, or low when the ceiling is low).")
+    allow_control_tokens: bool = Field(
+        False, strict=True,
+        description="whether special-token text in the tenant's prompt or chat messages (\"<|endoftext|>\", "
+                    "\"<end_of_turn>\", ...) is parsed as the control tokens it spells. false (the default): it "
+                    "is tokenized as ordinary text, so a tenant cannot forge turn markers or end-of-text; the "
+                    "chat template's own tokens stay control tokens either way.")
     weight: float = Field(
         1.0, gt=0, le=1e6, strict=True,
         description="the tenant's share when tenants compete for the engines, relative to the others' "

@@ -2,7 +2,9 @@
 
 `TokenizerUpstream` batches nothing itself (the tokenizer service batches concurrent calls) but
 keeps one multiplexed Detokenize stream per tokenizer replica. `EngineReplica` keeps one
-multiplexed engine Stream; `EnginePool` tracks replicas' load and health and picks one.
+multiplexed engine Stream and a circuit breaker (router_svc/breaker.py); `EnginePool` holds the
+replicas, whose membership router_svc/discovery.py keeps (static, DNS, the Redis registry), and
+tracks their load and health.
 """
 
 from __future__ import annotations
@@ -10,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
 
-from services.channels import open_channel
-from services.errors import Reason
+from services.channels import CHANNEL_OPTIONS, open_channel
+from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
 from services.mux import Inbox, MuxClient, StreamBroken, stream_error
 from services.proto.tokenrelay.v1 import (
@@ -31,6 +35,8 @@ from services.proto.tokenrelay.v1 import (
 from services.security import PLAINTEXT, SecuritySettings
 from services.wire import FINISH_NAMES
 
+from . import metrics
+from .breaker import DEFAULT_POLICY, POLL, Breaker, BreakerPolicy, BreakerState
 from .ports import ReplicaSnapshot
 from .tokenize_batch import MAX_BYTES, MAX_CALLS, TokenizeCoalescer
 from .types import DetokOut, EngineChunk, Sampling, TokenizerMeta
@@ -40,6 +46,8 @@ log = get_logger(__name__)
 # How long a busy router may hold a request's new engine tokens so that they travel on together
 # (services/mux.py): at most one delta per request per WAKE_DELAY while the loop lags.
 WAKE_DELAY = 0.02
+# Seconds a tokenizer replica whose call or stream failed on the transport gets no new work.
+TOKENIZER_DOWN_FOR = 1.0
 
 
 
@@ -118,10 +126,18 @@ class TokenizerUpstream:
         self._channels = [open_channel(a, security) for a in addresses]
         self._stubs = [tokenizer_pb2_grpc.TokenizerStub(c) for c in self._channels]
         self._rr = itertools.cycle(range(len(addresses)))
+        self._addresses = list(addresses)
+        # A replica whose call or stream failed on the transport gets no new work for a moment (it
+        # is probed again after that): a dead tokenizer costs its in-flight requests, not every
+        # request sent to it until it is back.
+        self._down_until = [0.0] * len(addresses)
+        # ... and gets no new Detokenize session until a Tokenize call there succeeded again (the
+        # probe: a failed Tokenize is retried elsewhere, a failed session would cost its request).
+        self._suspect = [False] * len(addresses)
         self._muxes: list[MuxClient[DetokOut]] = [
             MuxClient(f"detok-{a}", stub.Detokenize, _detok_build, _detok_split, convert=_detok_out,
-                      merge=_detok_merge)
-            for a, stub in zip(addresses, self._stubs, strict=True)]
+                      merge=_detok_merge, on_broken=self._marker(i))
+            for i, (a, stub) in enumerate(zip(addresses, self._stubs, strict=True))]
         self._batchers = [TokenizeCoalescer(stub, timeout, max_calls=max_calls, max_bytes=max_bytes)
                           for stub in self._stubs]
         self.meta: TokenizerMeta | None = None
@@ -137,23 +153,62 @@ class TokenizerUpstream:
         return self.meta
 
     async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
-                       timeout: float | None = None, cache_key: str = "") -> list[int]:
+                       timeout: float | None = None, cache_key: str = "",
+                       allow_special_tokens: bool = False) -> list[int]:
         """Ids of a text or a chat. With `cache_key` (a chat session) every call goes to the same
         replica, whose prefix cache then tokenizes only the new part of each turn."""
         if messages is not None:
             item = tokenizer_pb2.TokenizeInput(chat=tokenizer_pb2.ChatMessages(
                 messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                add_generation_prompt=True, cache_key=cache_key))
+                add_generation_prompt=True, cache_key=cache_key), allow_special_tokens=allow_special_tokens)
         else:
-            item = tokenizer_pb2.TokenizeInput(text=text or "", add_special_tokens=True)
-        index = zlib.crc32(cache_key.encode()) % len(self._stubs) if cache_key else next(self._rr)
+            item = tokenizer_pb2.TokenizeInput(text=text or "", add_special_tokens=True,
+                                               allow_special_tokens=allow_special_tokens)
+        index = zlib.crc32(cache_key.encode()) % len(self._stubs) if cache_key else self._pick()
+        if not self._up(index):
+            index = self._pick()
+        budget = min(filter(None, (timeout, self._timeout)))
         try:
-            return await self._batchers[index].tokenize(item, min(filter(None, (timeout, self._timeout))))
+            try:
+                ids = await self._batchers[index].tokenize(item, budget)
+                self._suspect[index] = False
+                return ids
+            except TokenrelayError as exc:
+                if exc.reason != Reason.UPSTREAM_UNAVAILABLE:
+                    raise
+                self.mark_down(index)
+                other = self._pick()
+                if other == index:
+                    raise
+                return await self._batchers[other].tokenize(item, budget)   # idempotent: once elsewhere
         except asyncio.TimeoutError:
             raise Reason.TOKENIZE_TIMEOUT.error("tokenization did not finish in time") from None
 
+    def _up(self, index: int) -> bool:
+        return time.monotonic() >= self._down_until[index]
+
+    def _marker(self, index: int) -> Callable[[TokenrelayError], None]:
+        return lambda _error: self.mark_down(index)
+
+    def _pick(self) -> int:
+        """The next replica in turn that is not marked down (any, when all are)."""
+        first = next(self._rr)
+        index = first
+        for _ in range(len(self._stubs)):
+            if self._up(index):
+                return index
+            index = next(self._rr)
+        return first
+
+    def mark_down(self, index: int) -> None:
+        if self._up(index):
+            log.warning("tokenizer_unavailable", address=self._addresses[index], for_s=TOKENIZER_DOWN_FOR)
+        self._down_until[index] = time.monotonic() + TOKENIZER_DOWN_FOR
+        self._suspect[index] = True
+
     def detokenizer(self, request_id: str) -> DetokSession:
-        mux = min(self._muxes, key=lambda m: m.open_requests)
+        up = [m for i, m in enumerate(self._muxes) if not self._suspect[i]] or self._muxes
+        mux = min(up, key=lambda m: m.open_requests)
         return DetokSession(mux, request_id)
 
     async def close(self) -> None:
@@ -189,7 +244,7 @@ def _engine_merge(pending: EngineChunk, c: engine_pb2.TokenChunk) -> bool:
 
 def _load_from_proto(r: engine_pb2.LoadReport) -> ReplicaLoad:
     return ReplicaLoad(r.active_requests, r.queued_requests, r.max_active_requests, r.kv_blocks_used,
-                       r.kv_blocks_total, r.max_context)
+                       r.kv_blocks_total, r.max_context, r.tokens_per_block)
 
 
 @dataclass
@@ -200,35 +255,80 @@ class ReplicaLoad:
     kv_used: int = 0
     kv_total: int = 0
     max_context: int = 0
+    tokens_per_block: int = 0
+
+
+DEFAULT_POOL = "default"
+# In-band refusals by which an engine says it is not ready (draining, backend dead): out of rotation
+# at once, not counted as failures by its breaker.
+_NOT_READY = frozenset({Reason.SHUTTING_DOWN.value, Reason.ENGINE_UNAVAILABLE.value})
+# A subchannel of its own per replica: one that comes back on the address it left (an engine
+# restarted on its port) connects at once instead of inheriting the old connection's backoff.
+_ENGINE_CHANNEL = (*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1))
+RETIRE_MAX = 900.0      # seconds a retired replica's channel stays open for its in-flight requests
 
 
 @dataclass
 class EngineReplica:
+    """One engine replica: its channel, its multiplexed stream, its load and its circuit breaker.
+
+    `healthy`: its breaker lets new work through (closed, or half-open with the probe slot free);
+    `serving`: it is ready (False while it drains or its backend is dead: no new work, no failure).
+    """
+
     address: str
     channel: grpc.aio.Channel
     stub: engine_pb2_grpc.EngineStub
-    mux: MuxClient[EngineChunk] = field(init=False)
-    healthy: bool = True
+    pool: str = DEFAULT_POOL
+    breaker: Breaker = field(default_factory=Breaker)
     serving: bool = True          # False while the engine drains: it gets no new work
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     load_reports: int = 0         # reports received on the stream (not the poll)
     wake_delay: float = WAKE_DELAY
+    probe: str = ""               # the request sent as the half-open breaker's probe
+    mux: MuxClient[EngineChunk] = field(init=False)
 
     def __post_init__(self) -> None:
         self.mux = MuxClient(f"engine-{self.address}", self.stub.Stream, _engine_build, _engine_split,
-                             on_message=self._on_message, max_wake_delay=self.wake_delay, convert=_engine_chunk,
+                             on_message=self._on_message, max_wake_delay=self.wake_delay, convert=self._chunk,
                              merge=_engine_merge)
+
+    @property
+    def healthy(self) -> bool:
+        return self.breaker.available()
+
+    @property
+    def state(self) -> str:
+        """ready | suspect | draining | open | half_open (the replicas gauge's label)."""
+        if not self.serving:
+            return "draining"
+        state = self.breaker.state
+        if state is BreakerState.CLOSED:
+            return "suspect" if self.breaker.suspect else "ready"
+        return state.value
 
     def _on_message(self, resp: engine_pb2.EngineOutbound) -> None:
         if resp.HasField("load"):   # load rides on the stream (module doc of engine.proto)
             self.apply_load(resp.load)
             self.load_reports += 1
 
+    def _chunk(self, c: engine_pb2.TokenChunk) -> EngineChunk:
+        chunk = _engine_chunk(c)
+        if chunk.error_reason:
+            if chunk.error_reason in _NOT_READY:
+                self.set_serving(False)
+        elif (chunk.token_ids or chunk.finished) and not self.breaker.clean():
+            self.breaker.success()          # it works: the failure count restarts, a half-open probe closes
+        return chunk
+
     def apply_load(self, r: engine_pb2.LoadReport) -> None:
         self.load = _load_from_proto(r)
-        if self.serving == r.draining:
-            log.info("engine_draining" if r.draining else "engine_serving", address=self.address)
-        self.serving = not r.draining
+        self.set_serving(not r.draining)
+
+    def set_serving(self, serving: bool) -> None:
+        if self.serving != serving:
+            log.info("engine_serving" if serving else "engine_draining", address=self.address, pool=self.pool)
+        self.serving = serving
 
     @property
     def in_flight(self) -> int:
@@ -237,12 +337,15 @@ class EngineReplica:
     def snapshot(self) -> ReplicaSnapshot:
         load = self.load
         return ReplicaSnapshot(self.address, self.healthy, self.serving, self.in_flight, load.queued, load.active,
-                               load.max_active, load.kv_used, load.kv_total)
+                               load.max_active, load.kv_used, load.kv_total, pool=self.pool,
+                               tokens_per_block=load.tokens_per_block)
 
     def submit(self, request_id: str, prompt: list[int], sampling: Sampling, eos_ids: list[int],
                cache_salt: str, trace_context: dict[str, str], *, timeout: float = 0.0,
                priority: int = 0) -> Inbox[EngineChunk]:
         queue = self.mux.open(request_id)
+        if self.breaker.state is BreakerState.HALF_OPEN and self.breaker.try_probe():
+            self.probe = request_id
         params = common_pb2.SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos)
@@ -260,30 +363,169 @@ class EngineReplica:
 
     def release(self, request_id: str) -> None:
         self.mux.release(request_id)
+        if request_id == self.probe:
+            self.probe = ""
+            self.breaker.probe_done()    # ended without an outcome (a failure was reported before this)
+
+    def failed(self) -> None:
+        """Its stream broke or stalled: a failure for the breaker, unless it said it is not ready."""
+        if self.serving:
+            self.breaker.failure()
+
+    async def close(self) -> None:
+        await self.mux.close()
+        await self.channel.close()
+
+
+# (added addresses, removed addresses): called on every change of an `EnginePool`'s membership.
+MembershipListener = Callable[[list[str], list[str]], None]
 
 
 class EnginePool:
-    """Engine replicas with health, load and session affinity.
+    """Engine replicas with dynamic membership, load, health (a circuit breaker each) and the
+    legacy in-process session affinity of `pick()`.
 
-    Choice: the replica that holds the session if it is healthy, else the healthy replica with
-    the least outstanding work (this router's in-flight plus the engine's reported queue).
-    Prefix-aware scoring is a later issue.
+    Membership: `add(pool, address)` and `remove(address)` (router_svc/discovery.py calls them).
+    A removed replica leaves rotation at once; with ``now=True`` (its registry entry expired) its
+    stream is closed at once, its in-flight requests failing as retryable; otherwise it is retired:
+    closed once its requests end. `add_listener(cb)` hears every change as (added, removed).
+
+    Health: a load poll (GetLoad) every `poll_interval` seconds feeds every replica's breaker
+    (router_svc/breaker.py) and its load; broken or stalled streams (`mark_failed`) count as
+    failures too; an engine that reports it drains, or refuses work as not ready, is out of
+    rotation without counting as a failure. A replica whose breaker is open is not polled until
+    its backoff has passed; then one poll (or one request) is its probe.
     """
 
-    def __init__(self, addresses: list[str], poll_interval: float, session_capacity: int = 100_000, *,
-                 security: SecuritySettings = PLAINTEXT, wake_delay: float = WAKE_DELAY) -> None:
-        if not addresses:
-            raise ValueError("at least one engine address is required")
-        self.replicas: list[EngineReplica] = []
-        for address in addresses:
-            channel = open_channel(address, security)
-            self.replicas.append(EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel),
-                                               wake_delay=wake_delay))
-        self._by_address = {r.address: r for r in self.replicas}
+    def __init__(self, addresses: Sequence[str] = (), poll_interval: float = 1.0, session_capacity: int = 100_000,
+                 *, security: SecuritySettings = PLAINTEXT, wake_delay: float = WAKE_DELAY,
+                 breaker: BreakerPolicy = DEFAULT_POLICY, poll_timeout: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._security = security
+        self._wake_delay = wake_delay
+        self._policy = breaker
+        self._clock = clock
+        self._by_address: dict[str, EngineReplica] = {}
+        self._retiring: dict[str, tuple[EngineReplica, float]] = {}
+        self._listeners: list[MembershipListener] = []
         self._poll_interval = poll_interval
+        self._poll_timeout = poll_timeout
         self._sessions: OrderedDict[str, EngineReplica] = OrderedDict()
         self._session_capacity = session_capacity
         self._poller: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._gauge_labels: set[tuple[str, str]] = set()
+        for address in addresses:
+            self.add(DEFAULT_POOL, address)
+
+    # -- membership ---------------------------------------------------------------------------
+    @property
+    def replicas(self) -> list[EngineReplica]:
+        """The replicas in the pool now (retired ones excluded)."""
+        return list(self._by_address.values())
+
+    def addresses(self) -> list[str]:
+        return list(self._by_address)
+
+    def add_listener(self, callback: MembershipListener) -> None:
+        self._listeners.append(callback)
+
+    def add(self, pool: str, address: str, load: ReplicaLoad | None = None) -> bool:
+        """Put a replica in the pool (True if it was not there); a retired one not yet closed comes
+        back as it is."""
+        replica = self._by_address.get(address)
+        if replica is not None:
+            if replica.pool != pool:
+                log.info("engine_pool_changed", address=address, pool=pool, was=replica.pool)
+                replica.pool = pool
+            return False
+        retired = self._retiring.pop(address, None)
+        if retired is not None:
+            replica = retired[0]
+            replica.pool = pool
+        else:
+            channel = open_channel(address, self._security, options=_ENGINE_CHANNEL)
+            replica = EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel), pool,
+                                    Breaker(self._policy, clock=self._clock, on_transition=self._transition,
+                                            name=address),
+                                    wake_delay=self._wake_delay)
+            if load is not None:
+                replica.load = load
+        self._by_address[address] = replica
+        log.info("engine_added", address=address, pool=pool, replicas=len(self._by_address))
+        metrics.REPLICA_CHANGES.labels("added").inc()
+        if self._poller is not None:   # started: learn its load and health now, not at the next tick
+            self._spawn(self._poll(replica), f"engine-first-poll-{address}")
+        self._changed([address], [])
+        return True
+
+    def remove(self, address: str, *, now: bool = False) -> bool:
+        """Take a replica out of the pool (True if it was there): at once with ``now`` (its
+        in-flight streams fail as retryable), else once its requests end."""
+        replica = self._by_address.pop(address, None)
+        if replica is None:
+            retired = self._retiring.pop(address, None) if now else None
+            if retired is not None:
+                self._spawn(retired[0].close(), f"engine-close-{address}")
+            return False
+        for session, held in list(self._sessions.items()):
+            if held is replica:
+                del self._sessions[session]
+        log.info("engine_removed", address=address, pool=replica.pool, expired=now, in_flight=replica.in_flight)
+        metrics.REPLICA_CHANGES.labels("expired" if now else "removed").inc()
+        if now or not replica.in_flight:
+            self._spawn(replica.close(), f"engine-close-{address}")
+        else:
+            self._retiring[address] = (replica, self._clock() + RETIRE_MAX)
+        self._changed([], [address])
+        return True
+
+    def set_draining(self, address: str) -> None:
+        """The registry says the replica drains: no new work (its own reports say so too, soon)."""
+        replica = self._by_address.get(address)
+        if replica is not None:
+            replica.set_serving(False)
+
+    def _changed(self, added: list[str], removed: list[str]) -> None:
+        self._update_gauges()
+        for callback in list(self._listeners):
+            try:
+                callback(added, removed)
+            except Exception:   # a listener's bug must not stop membership
+                log.exception("engine_listener_failed")
+
+    def _reap(self) -> None:
+        """Close retired replicas whose requests have ended (or that waited too long)."""
+        now = self._clock()
+        for address, (replica, deadline) in list(self._retiring.items()):
+            if not replica.in_flight or now >= deadline:
+                del self._retiring[address]
+                self._spawn(replica.close(), f"engine-close-{address}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- health -------------------------------------------------------------------------------
+    def _transition(self, breaker: Breaker, before: BreakerState, to: BreakerState) -> None:
+        metrics.BREAKER_TRANSITIONS.labels(to.value).inc()
+        if to is BreakerState.OPEN:
+            log.warning("engine_breaker_open", address=breaker.name, failures=breaker.consecutive,
+                        backoff=breaker.backoff, was=before.value)
+        else:
+            log.info(f"engine_breaker_{to.value}", address=breaker.name, was=before.value)
+
+    def _update_gauges(self) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for r in self._by_address.values():
+            key = (r.pool, r.state)
+            counts[key] = counts.get(key, 0) + 1
+        for key in self._gauge_labels - set(counts):
+            metrics.ENGINE_REPLICAS.labels(*key).set(0)
+        for key, n in counts.items():
+            metrics.ENGINE_REPLICAS.labels(*key).set(n)
+        self._gauge_labels |= set(counts)
 
     async def start(self) -> None:
         await self.poll_once()
@@ -291,19 +533,24 @@ class EnginePool:
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(r) for r in self.replicas))
+        self._reap()
+        self._update_gauges()
 
     async def _poll(self, replica: EngineReplica) -> None:
+        if replica.breaker.state is BreakerState.OPEN:
+            return      # backing off: the first poll after the backoff is its probe
         try:
-            r = await replica.stub.GetLoad(engine_pb2.LoadRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError as exc:
-            if replica.healthy:
-                log.warning("engine_unhealthy", address=replica.address, error=exc.code().name)
-            replica.healthy = False
+            r = await replica.stub.GetLoad(engine_pb2.LoadRequest(), timeout=self._poll_timeout)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "CLOSED"
+            if not replica.serving:
+                return      # a draining engine stops answering at the end of its drain: no failure
+            if replica.breaker.clean(POLL):
+                log.warning("engine_poll_failed", address=replica.address, error=code)
+            replica.breaker.failure(POLL)
             return
-        if not replica.healthy:
-            log.info("engine_healthy", address=replica.address)
-        replica.healthy = True
         replica.apply_load(r)
+        replica.breaker.success(POLL)
 
     async def _poll_forever(self) -> None:
         while True:
@@ -318,7 +565,7 @@ class EnginePool:
     def pick(self, session_id: str = "", exclude: frozenset[str] = frozenset()) -> EngineReplica:
         if session_id:
             held = self._sessions.get(session_id)
-            if held is not None and held.healthy and held.address not in exclude:
+            if held is not None and held.healthy and held.serving and held.address not in exclude:
                 self._sessions.move_to_end(session_id)
                 return held
         candidates = [r for r in self.replicas if r.healthy and r.serving and r.address not in exclude]
@@ -332,20 +579,28 @@ class EnginePool:
                 self._sessions.popitem(last=False)
         return chosen
 
+    def _find(self, address: str) -> EngineReplica | None:
+        replica = self._by_address.get(address)
+        if replica is None and address in self._retiring:
+            replica = self._retiring[address][0]
+        return replica
+
     def mark_failed(self, replica: EngineReplica | str) -> None:
-        """The replica's stream broke or stalled: no new work until a poll sees it healthy."""
-        replica = self._by_address[replica] if isinstance(replica, str) else replica
-        replica.healthy = False
+        """The replica's stream broke or stalled: one failure for its breaker, so suspect (no new
+        work) until its next success (none if it said it is not ready; nothing if it has left)."""
+        found = self._find(replica) if isinstance(replica, str) else replica
+        if found is not None:
+            found.failed()
 
     # -- ports.EngineStream --------------------------------------------------------------------
     def snapshots(self) -> list[ReplicaSnapshot]:
-        return [r.snapshot() for r in self.replicas]
+        return [r.snapshot() for r in self._by_address.values()]
 
     def replica(self, address: str) -> EngineReplica:
-        try:
-            return self._by_address[address]
-        except KeyError:
-            raise Reason.NO_HEALTHY_REPLICA.error(f"no engine replica {address!r}") from None
+        replica = self._by_address.get(address)
+        if replica is None:
+            raise Reason.NO_HEALTHY_REPLICA.error(f"no engine replica {address!r}")
+        return replica
 
     def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling, eos_ids: list[int],
                cache_salt: str, trace_context: dict[str, str], *, timeout: float = 0.0,
@@ -356,16 +611,26 @@ class EnginePool:
                                             timeout=timeout, priority=priority)
 
     def abort(self, address: str, request_id: str) -> None:
-        self.replica(address).abort(request_id)
+        """Abort on the replica (a retired one too); nothing if it has been closed."""
+        replica = self._find(address)
+        if replica is not None:
+            replica.abort(request_id)
 
     def release(self, address: str, request_id: str) -> None:
-        self.replica(address).release(request_id)
+        replica = self._find(address)
+        if replica is not None:
+            replica.release(request_id)
 
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        for r in self.replicas:
-            await r.mux.close()
-            await r.channel.close()
+        replicas = [*self._by_address.values(), *(r for r, _ in self._retiring.values())]
+        self._by_address.clear()
+        self._retiring.clear()
+        for r in replicas:
+            await r.close()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

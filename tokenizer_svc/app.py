@@ -75,7 +75,9 @@ class TokenizerApp:
                                chat_cache_tokens=s.chat_cache_tokens, overlap_after=s.overlap_after())
         await self.encoder.start()
         self.detokenizer = Detokenizer(loaded, workers=max(1, s.detok_workers),
-                                       max_requests_per_stream=s.max_stream_requests)
+                                       max_requests_per_stream=s.max_stream_requests,
+                                       slice_tokens=s.detok_slice_tokens, max_message_opens=s.max_message_opens,
+                                       max_message_tokens=s.max_message_tokens)
         await self.detokenizer.start()
         self.server = GrpcServer(s.server.host, s.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
                                  security=s.security)

@@ -69,6 +69,15 @@ class TokenizerSettings(ServiceSettings):
     detok_workers: int = Field(1, ge=1, description="threads that run large Detokenize batches off the event loop")
     max_stream_requests: int = Field(10_000, ge=1, description="most requests open at once on one Detokenize "
                                                                "stream")
+    max_message_opens: int = Field(10_000, ge=1, le=1_000_000, description="most opens in one Detokenize message; "
+                                   "more ends the stream with INVALID_ARGUMENT/BATCH_TOO_LARGE")
+    max_message_tokens: int = Field(1 << 18, ge=1, le=1 << 26, description="most token ids (in token items) in "
+                                    "one Detokenize message; more ends the stream with "
+                                    "INVALID_ARGUMENT/BATCH_TOO_LARGE")
+    detok_slice_tokens: int = Field(1024, ge=1, le=1 << 20, description="a Detokenize message with more work "
+                                    "than this (tokens; an open counts 10) runs on a worker thread in slices of "
+                                    "this much (about 2.5 ms each), so one message never holds the event loop or "
+                                    "the worker for long")
 
     @field_validator("tokenizer")
     @classmethod

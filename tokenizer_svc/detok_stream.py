@@ -10,6 +10,17 @@ is not open), DUPLICATE_REQUEST_ID (open for an id already open; the first one c
 OVERLOADED (the stream's open-request limit; the router's client gets UNAVAILABLE and a
 retry-after), INVALID_TOKEN_ID (an id outside the vocabulary), INVALID_STOP (more than MAX_STOPS
 stop strings, or one longer than MAX_STOP_CHARS), INTERNAL (a bug; logged).
+
+Bounded work per message (issue 15): a message with more opens than `max_message_opens` or more
+token ids than `max_message_tokens` ends the stream with INVALID_ARGUMENT/BATCH_TOO_LARGE (such a
+message is a client's bug: the router sends what its requests posted since its last message).
+Below those bounds, a message whose work is over `inline_tokens` runs on a worker thread, in
+slices of at most `slice_tokens` units (a token is one unit, an open OPEN_COST, a close one;
+one request's long run of ids is cut too), the loop resubmitting the next slice: one message
+never holds the event loop, converting the protobuf message included (`Converted`), and a
+stream's big message never holds the worker for long while other streams' messages wait behind
+it. The outputs are those of applying the message at once (one per request, deltas merged).
+Per stream there is no bound on ids over time: each request keeps a bounded window of ids.
 """
 
 from __future__ import annotations
@@ -19,8 +30,9 @@ import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, overload
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -33,6 +45,7 @@ from tokenizer_svc.loader import LoadedTokenizer
 from tokenizer_svc.stop_strings import StopMatcher
 
 log = get_logger(__name__)
+_T = TypeVar("_T")
 _tracer = tracer("tokenrelay.tokenizer")
 
 # Ids of recently finished requests, so trailing tokens sent before the engine saw the stop are
@@ -43,6 +56,38 @@ MAX_STOPS = 64
 MAX_STOP_CHARS = 1024
 # Batches this small cost less than a hop to a worker thread (~50 µs), so they run inline.
 INLINE_TOKENS = 16
+# Work units of one slice of a big message (~2.5 ms of a core: a token's step is ~2.3 µs), and an
+# open in those units (it makes a decoder, a stop matcher and a span: ~15 µs, more with tracing).
+SLICE_TOKENS = 1024
+OPEN_COST = 10
+MAX_MESSAGE_OPENS = 10_000
+CLOSE_INLINE = 256      # requests still open that a stream's end abandons on the loop itself
+MAX_MESSAGE_TOKENS = 1 << 18
+
+
+class Converted(Sequence[_T]):
+    """A read-only sequence that converts each item of `raw` (a protobuf repeated field) when it
+    is read, so that a message's conversion happens slice by slice where the slice runs."""
+
+    __slots__ = ("_convert", "_raw")
+
+    def __init__(self, raw: Sequence[Any], convert: Callable[[Any], _T]) -> None:
+        self._raw, self._convert = raw, convert
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __iter__(self) -> Iterator[_T]:
+        return map(self._convert, self._raw)
+
+    @overload
+    def __getitem__(self, index: int) -> _T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[_T]: ...
+    def __getitem__(self, index: int | slice) -> _T | list[_T]:
+        if isinstance(index, slice):
+            return [self._convert(x) for x in self._raw[index]]
+        return self._convert(self._raw[index])
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +112,29 @@ class StreamBatch:
     opens: Sequence[OpenRequest] = ()
     tokens: Sequence[TokenBatch] = ()
     closes: Sequence[str] = ()
+    # Token ids in `tokens`, when the caller counted them on the message (-1: count them here).
+    ids: int = -1
 
-    def token_count(self) -> int:
-        """A measure of the work in this batch (only a prompt's tail is ever looked at)."""
-        return (sum(len(t.token_ids) for t in self.tokens)
-                + sum(min(len(o.prefix_ids), MAX_CONTEXT_TOKENS) for o in self.opens))
+    def token_ids(self) -> int:
+        return self.ids if self.ids >= 0 else sum(len(t.token_ids) for t in self.tokens)
+
+    def work(self) -> int:
+        """A measure of the work in this batch, in tokens (module doc)."""
+        return self.token_ids() + OPEN_COST * len(self.opens) + len(self.closes)
+
+
+@dataclass(slots=True)
+class _Applied:
+    """What applying one batch has produced so far, and how far it has got (it may run in slices)."""
+
+    outputs: list[Output] = field(default_factory=list)
+    deltas: dict[str, Output] = field(default_factory=dict)   # the output of each request, to merge into
+    phase: int = 0     # 0: opens, 1: tokens, 2: closes, 3: done
+    index: int = 0     # the next item of the phase
+    offset: int = 0    # in tokens: the next id of that item
+
+    def result(self) -> list[Output]:
+        return [o for o in self.outputs if o.text or o.finished or o.error]
 
 
 @dataclass(slots=True)
@@ -118,42 +181,101 @@ class DetokStream:
         return len(self._requests)
 
     def close(self) -> None:
-        """The stream ended: drop every request still open (their spans end as abandoned)."""
+        """The stream ended: drop every request still open (their spans end as abandoned; for
+        many, on a thread of their own, so that a stream closed with 10,000 open requests does
+        not hold the event loop for the ~10 ms that ending their spans takes)."""
         with self._lock:
-            for req in self._requests.values():
-                req.end("abandoned")
-            self._requests.clear()
+            requests, self._requests = self._requests, {}
             self._finished.clear()
+        if len(requests) > CLOSE_INLINE:
+            threading.Thread(target=_abandon, args=(list(requests.values()),), name="detok-close",
+                             daemon=True).start()
+        else:
+            _abandon(requests.values())
 
     def apply(self, batch: StreamBatch) -> list[Output]:
-        with self._lock:
-            return self._apply(batch)
+        """Apply the whole batch (opens, then tokens, then closes) and return its outputs."""
+        applied = _Applied()
+        self.apply_some(batch, applied, budget=0)
+        return applied.result()
 
-    def _apply(self, batch: StreamBatch) -> list[Output]:
-        outputs: list[Output] = []
-        for item in batch.opens:
-            error = self._open(item)
-            if error:
-                outputs.append(Output(item.request_id, finished=error != Reason.DUPLICATE_REQUEST_ID, error=error))
-        deltas: dict[str, Output] = {}   # one output per request: deltas of repeated items are merged
-        for tokens in batch.tokens:
-            out = self._tokens(tokens)
-            if out is None:
-                continue
-            prev = deltas.get(out.request_id)
-            if prev is None or prev.finished:
-                deltas[out.request_id] = out
-                outputs.append(out)
-            else:
-                prev.text += out.text
-                prev.finished, prev.matched_stop, prev.error = out.finished, out.matched_stop, out.error
-                prev.tokens_consumed = out.tokens_consumed
-        for request_id in batch.closes:
+    def apply_some(self, batch: StreamBatch, applied: _Applied, budget: int) -> bool:
+        """Go on applying `batch` for about `budget` work units (0: to the end); True once done."""
+        with self._lock:
+            left = budget or -1
+            while applied.phase < 3 and left != 0:
+                left = self._apply_phase(batch, applied, left)
+            return applied.phase == 3
+
+    def _apply_phase(self, batch: StreamBatch, applied: _Applied, left: int) -> int:
+        if applied.phase == 0:
+            count = len(batch.opens) - applied.index
+            if left >= 0:
+                count = min(count, max(1, left // OPEN_COST))
+            for item in batch.opens[applied.index:applied.index + count]:
+                error = self._open(item)
+                if error:
+                    applied.outputs.append(Output(item.request_id, finished=error != Reason.DUPLICATE_REQUEST_ID,
+                                                  error=error))
+            return self._advance_phase(applied, len(batch.opens), count, left, OPEN_COST * count)
+        if applied.phase == 1:
+            return self._apply_tokens(batch.tokens, applied, left)
+        count = len(batch.closes) - applied.index
+        if left >= 0:
+            count = min(count, left)
+        for request_id in batch.closes[applied.index:applied.index + count]:
             closed = self._requests.pop(request_id, None)
             if closed is not None:
                 closed.end("closed")
             self._finished.pop(request_id, None)
-        return [o for o in outputs if o.text or o.finished or o.error]
+        return self._advance_phase(applied, len(batch.closes), count, left, count)
+
+    @staticmethod
+    def _advance_phase(applied: _Applied, total: int, count: int, left: int, cost: int) -> int:
+        applied.index += count
+        if applied.index >= total:
+            applied.phase, applied.index, applied.offset = applied.phase + 1, 0, 0
+        return -1 if left < 0 else max(0, left - cost)
+
+    def _apply_tokens(self, tokens: Sequence[TokenBatch], applied: _Applied, left: int) -> int:
+        if left < 0:   # all at once (`apply`): nothing is cut
+            for item in tokens if applied.index == 0 else tokens[applied.index:]:
+                self._merge(applied, self._tokens(item))
+            applied.phase, applied.index, applied.offset = 2, 0, 0
+            return left
+        # A slice: at most `left` items (each costs at least one unit), converted once.
+        for item in tokens[applied.index:applied.index + left]:
+            if left == 0:
+                break
+            ids, start = item.token_ids, applied.offset
+            # A run of ids with an invalid one is refused whole, before any of it is decoded.
+            take = len(ids) - start if start == 0 and not self._valid_ids(ids) else left
+            end = min(len(ids), start + take)
+            part = item if start == 0 and end == len(ids) else TokenBatch(
+                item.request_id, ids[start:end], item.final and end == len(ids))
+            self._merge(applied, self._tokens(part))
+            left = max(0, left - max(1, end - start))
+            if end >= len(ids):
+                applied.index, applied.offset = applied.index + 1, 0
+            else:
+                applied.offset = end
+        if applied.index >= len(tokens):
+            applied.phase, applied.index, applied.offset = 2, 0, 0
+        return left
+
+    @staticmethod
+    def _merge(applied: _Applied, out: Output | None) -> None:
+        """One output per request: deltas of repeated items (or of one item's slices) are merged."""
+        if out is None:
+            return
+        prev = applied.deltas.get(out.request_id)
+        if prev is None or prev.finished:
+            applied.deltas[out.request_id] = out
+            applied.outputs.append(out)
+        else:
+            prev.text += out.text
+            prev.finished, prev.matched_stop, prev.error = out.finished, out.matched_stop, out.error
+            prev.tokens_consumed = out.tokens_consumed
 
     def _open(self, item: OpenRequest) -> str:
         if item.request_id in self._requests:
@@ -214,6 +336,11 @@ class DetokStream:
             self._finished.popitem(last=False)
 
 
+def _abandon(requests: Iterable[_Request]) -> None:
+    for req in requests:
+        req.end("abandoned")
+
+
 def _advance(rid: str, req: _Request, ids: Sequence[int], final: bool) -> Output:
     decoder, stops = req.decoder, req.stops
     if not stops.active:
@@ -248,10 +375,14 @@ class Detokenizer:
     """Creates streams and runs their batches off the event loop; owns the worker threads."""
 
     def __init__(self, tokenizer: LoadedTokenizer, *, workers: int, max_requests_per_stream: int = 10_000,
-                 inline_tokens: int = INLINE_TOKENS) -> None:
+                 inline_tokens: int = INLINE_TOKENS, slice_tokens: int = SLICE_TOKENS,
+                 max_message_opens: int = MAX_MESSAGE_OPENS, max_message_tokens: int = MAX_MESSAGE_TOKENS) -> None:
         self.tokenizer = tokenizer
         self.max_requests_per_stream = max_requests_per_stream
         self.inline_tokens = inline_tokens
+        self.slice_tokens = max(1, slice_tokens)
+        self.max_message_opens = max_message_opens
+        self.max_message_tokens = max_message_tokens
         self._workers = workers
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -270,10 +401,29 @@ class Detokenizer:
         return stream
 
     async def apply(self, stream: DetokStream, batch: StreamBatch) -> list[Output]:
+        """The batch's outputs; raises BATCH_TOO_LARGE (the stream ends) for a batch over the bounds."""
         start = time.perf_counter()
-        if self._executor is None or batch.token_count() <= self.inline_tokens:
+        self._check_bounds(batch)
+        work = batch.work()
+        if self._executor is None or work <= self.inline_tokens:
             outputs = stream.apply(batch)
-        else:
+        elif work <= self.slice_tokens:   # one slice: applied whole, the cheapest way
             outputs = await asyncio.get_running_loop().run_in_executor(self._executor, stream.apply, batch)
+        else:
+            applied = _Applied()
+            loop = asyncio.get_running_loop()
+            while not await loop.run_in_executor(self._executor, stream.apply_some, batch, applied,
+                                                 self.slice_tokens):
+                pass
+            outputs = applied.result()
         metrics.DETOK_MESSAGE_SECONDS.observe(time.perf_counter() - start)
         return outputs
+
+    def _check_bounds(self, batch: StreamBatch) -> None:
+        if len(batch.opens) > self.max_message_opens:
+            raise Reason.BATCH_TOO_LARGE.error(
+                f"{len(batch.opens)} opens in one Detokenize message; at most {self.max_message_opens}")
+        ids = batch.token_ids()
+        if ids > self.max_message_tokens:
+            raise Reason.BATCH_TOO_LARGE.error(
+                f"{ids} token ids in one Detokenize message; at most {self.max_message_tokens}")

@@ -7,6 +7,10 @@ Semantics (documented for clients):
 * Text: encoded with `add_special_tokens` as given. Chat: rendered with the chat template, then
   encoded with `add_special_tokens=False` (the template writes BOS etc.), as transformers does;
   the input's `add_special_tokens` flag is ignored for chats.
+* Special-token text (`special_text.py`): unless an input allows special tokens, the text of a
+  special token in a text, or in a chat message's content or role, is tokenized as ordinary text;
+  the special tokens a chat template writes stay special. With `allow_special_tokens` it is
+  parsed as the token it spells (what the tokenizer itself does).
 * Limits: an input over `max_input_bytes` UTF-8 bytes is `INPUT_TOO_LARGE` (checked before any
   work is queued); one that encodes to more than `max_input_tokens` ids is `PROMPT_TOO_LONG`.
   One bad input fails its whole call, never the other calls batched with it.
@@ -19,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry.trace import SpanKind
 
@@ -30,6 +34,7 @@ from tokenizer_svc.batcher import Batcher
 from tokenizer_svc.chat_cache import ChatPrefixCache, Plan
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.loader import LoadedTokenizer
+from tokenizer_svc.special_text import SpecialText
 
 _tracer = tracer("tokenrelay.tokenizer")
 
@@ -38,6 +43,7 @@ _tracer = tracer("tokenrelay.tokenizer")
 class TextInput:
     text: str
     add_special_tokens: bool = True
+    allow_special_tokens: bool = False   # parse special-token text in `text` as special tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +53,7 @@ class ChatInput:
     # Opaque session key: when set, a turn that extends the previous one under this key only
     # tokenizes what changed (chat_cache.py proves the result equals a full tokenization).
     cache_key: str = ""
+    allow_special_tokens: bool = False   # parse special-token text in messages as special tokens
 
 
 EncodeInput = TextInput | ChatInput
@@ -61,14 +68,20 @@ class _Call:
     finish: Finish | None
 
 
+# Where an input's ids are: encoded as is (with or without add_special_tokens), with special-token
+# text encoded as text (the same two), or ids already made (incremental or guarded chats).
+_Batch = Literal["plain", "plain+", "split", "split+", "ids"]
+_Slot = tuple[_Batch, int]
+
+
 @dataclass(frozen=True, slots=True)
 class _Encoded:
     """What the worker hands to the post thread: per call its slots (or its error), the
-    tokenizers' Encodings per add_special_tokens flag, and ids of incremental chat inputs."""
+    tokenizers' Encodings per batch, and ids already made (incremental and guarded chats)."""
 
-    slots: list[list[tuple[bool | None, int]] | BaseException]
-    encodings: dict[bool, Any]
-    incremental: list[list[int]]
+    slots: list[list[_Slot] | BaseException]
+    encodings: dict[_Batch, Any]
+    ids: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class Encoder:
         self.limits = limits
         self.pending_bytes = 0
         self.chat_cache = ChatPrefixCache(tokenizer.tokenizer, chat_cache_tokens) if chat_cache_tokens > 0 else None
+        self.special_text = SpecialText(tokenizer.tokenizer)
         self.batcher: Batcher[_Call, Any] = Batcher(
             self._encode_jobs, post=self._finish_jobs, workers=workers,
             max_batch=max(limits.batch_inputs, limits.max_batch),
@@ -172,43 +186,68 @@ class Encoder:
             metrics.BUSY_SECONDS.inc(time.perf_counter() - start)
 
     def _encode_calls(self, calls: list[_Call]) -> _Encoded:
-        texts: dict[bool, list[str]] = {True: [], False: []}
+        texts: dict[_Batch, list[str]] = {"plain": [], "plain+": [], "split": [], "split+": []}
         plans: list[Plan] = []
-        slots: list[list[tuple[bool | None, int]] | BaseException] = []
+        plan_slots: list[int] = []     # index in `ids` of each plan's result
+        ids: list[list[int]] = []
+        slots: list[list[_Slot] | BaseException] = []
+        guard = self.special_text
         for call in calls:
+            call_slots: list[_Slot] = []
             try:
-                rendered = [self._text_of(item) for item in call.inputs]
+                for item in call.inputs:
+                    if isinstance(item, TextInput):
+                        split = not item.allow_special_tokens and guard.found_in(item.text)
+                        batch: _Batch = (("split+" if item.add_special_tokens else "split") if split
+                                         else ("plain+" if item.add_special_tokens else "plain"))
+                        call_slots.append((batch, len(texts[batch])))
+                        texts[batch].append(item.text)
+                        continue
+                    assert self.template is not None
+                    if not item.allow_special_tokens and guard.found_in_chat(item.messages):
+                        call_slots.append(("ids", len(ids)))
+                        ids.append(guard.encode_chat(self.template, item.messages, item.add_generation_prompt))
+                        continue
+                    text = self.template.render(item.messages, item.add_generation_prompt)
+                    if self.chat_cache is not None and item.cache_key:
+                        call_slots.append(("ids", len(ids)))
+                        plan_slots.append(len(ids))
+                        ids.append([])
+                        plans.append(self.chat_cache.plan(item.cache_key, text))
+                        continue
+                    call_slots.append(("plain", len(texts["plain"])))
+                    texts["plain"].append(text)
             except InvalidArgument as exc:
                 slots.append(exc)
                 continue
-            call_slots: list[tuple[bool | None, int]] = []
-            for item, (text, special) in zip(call.inputs, rendered, strict=True):
-                if self.chat_cache is not None and isinstance(item, ChatInput) and item.cache_key:
-                    call_slots.append((None, len(plans)))
-                    plans.append(self.chat_cache.plan(item.cache_key, text))
-                    continue
-                call_slots.append((special, len(texts[special])))
-                texts[special].append(text)
             slots.append(call_slots)
         # encode_batch releases the GIL and spreads the inputs over the tokenizers' own thread pool.
         encode = self.tokenizer.tokenizer.encode_batch_fast
-        encodings = {special: encode(batch, add_special_tokens=special) if batch else []
-                     for special, batch in texts.items()}
-        metrics.BATCH_INPUTS.observe(len(texts[True]) + len(texts[False]) + len(plans))
-        return _Encoded(slots, encodings, self._encode_incremental(plans))
+        encodings: dict[_Batch, Any] = {}
+        for batch, items in texts.items():
+            if not items:
+                encodings[batch] = []
+            elif batch.startswith("split"):
+                encodings[batch] = guard.encode_texts(items, add_special_tokens=batch.endswith("+"))
+            else:
+                encodings[batch] = encode(items, add_special_tokens=batch.endswith("+"))
+        for index, result in zip(plan_slots, self._encode_incremental(plans), strict=True):
+            ids[index] = result
+        metrics.BATCH_INPUTS.observe(sum(map(len, texts.values())) + len(ids))
+        return _Encoded(slots, encodings, ids)
 
     # ------------------------------------------------------------------ post thread
     def _finish_jobs(self, calls: list[_Call], encoded: _Encoded) -> list[Any]:
         """Per call: its ids (or error), limits checked, `finish` applied (the protobuf response)."""
-        ids_of: dict[bool | None, list[list[int]]] = {
-            special: [e.ids for e in batch] for special, batch in encoded.encodings.items()}
-        ids_of[None] = encoded.incremental
+        ids_of: dict[_Batch, list[list[int]]] = {
+            batch: [e.ids for e in encodings] for batch, encodings in encoded.encodings.items()}
+        ids_of["ids"] = encoded.ids
         results: list[Any] = []
         for call, slot in zip(calls, encoded.slots, strict=True):
             if isinstance(slot, BaseException):
                 results.append(slot)
                 continue
-            ids = [ids_of[special][i] for special, i in slot]
+            ids = [ids_of[batch][i] for batch, i in slot]
             error = self._check(ids)
             if error is None:
                 _count(call.inputs, ids)
@@ -234,12 +273,6 @@ class Encoder:
                 metrics.CHAT_REUSED_TOKENS.inc(len(plan.prefix))
             out.append(ids)
         return out
-
-    def _text_of(self, item: EncodeInput) -> tuple[str, bool]:
-        if isinstance(item, ChatInput):
-            assert self.template is not None
-            return self.template.render(item.messages, item.add_generation_prompt), False
-        return item.text, item.add_special_tokens
 
     def _check(self, ids: list[list[int]]) -> TokenrelayError | None:
         limit = self.limits.max_input_tokens

@@ -13,7 +13,7 @@ import grpc
 
 from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.wire import pack_ids
-from tokenizer_svc.detok_stream import Detokenizer, OpenRequest, Output, StreamBatch, TokenBatch
+from tokenizer_svc.detok_stream import Converted, Detokenizer, OpenRequest, Output, StreamBatch, TokenBatch
 from tokenizer_svc.encoder import ChatInput, EncodeInput, Encoder, TextInput
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
@@ -49,10 +49,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 def _input(item: tokenizer_pb2.TokenizeInput) -> EncodeInput | None:
     kind = item.WhichOneof("input")
     if kind == "text":
-        return TextInput(item.text, item.add_special_tokens)
+        return TextInput(item.text, item.add_special_tokens, item.allow_special_tokens)
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in item.chat.messages]
-        return ChatInput(messages, item.chat.add_generation_prompt, item.chat.cache_key)
+        return ChatInput(messages, item.chat.add_generation_prompt, item.chat.cache_key, item.allow_special_tokens)
     return None   # the encoder rejects it as EMPTY_PROMPT
 
 
@@ -68,13 +68,23 @@ def _packed_response(ids: list[list[int]]) -> tokenizer_pb2.TokenizeResponse:
 
 
 def _stream_batch(request: tokenizer_pb2.DetokenizeRequest) -> StreamBatch:
-    return StreamBatch(
-        # prefix_ids stays the protobuf container: the domain only slices its tail.
-        opens=[OpenRequest(o.request_id, tuple(o.stop), o.include_stop_str, o.skip_special_tokens,
-                           o.prefix_ids, dict(o.trace_context)) for o in request.open],
-        tokens=[TokenBatch(t.request_id, list(t.token_ids), t.final) for t in request.tokens],
-        closes=[c.request_id for c in request.close],
-    )
+    # Items are converted when the domain reads them (in slices, off the loop for a big message);
+    # prefix_ids and token_ids stay protobuf containers: the domain slices them.
+    return StreamBatch(opens=Converted(request.open, _open), tokens=Converted(request.tokens, _tokens),
+                       closes=Converted(request.close, _close), ids=sum(len(t.token_ids) for t in request.tokens))
+
+
+def _open(o: tokenizer_pb2.DetokOpen) -> OpenRequest:
+    return OpenRequest(o.request_id, tuple(o.stop), o.include_stop_str, o.skip_special_tokens, o.prefix_ids,
+                       dict(o.trace_context))
+
+
+def _tokens(t: tokenizer_pb2.DetokTokens) -> TokenBatch:
+    return TokenBatch(t.request_id, t.token_ids, t.final)
+
+
+def _close(c: tokenizer_pb2.DetokClose) -> str:
+    return c.request_id
 
 
 def _output(o: Output) -> tokenizer_pb2.DetokOutput:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tokenrelay.v1 import common_pb2 as tokenrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenrelay/v1/tokenizer.proto\x12\rtokenrelay.v1\x1a\x1atokenrelay/v1/common.proto\"q\n\rTokenizeInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.tokenrelay.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"n\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tokenrelay.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x11\n\tcache_key\x18\x03 \x01(\t\"S\n\x0fTokenizeRequest\x12,\n\x06inputs\x18\x01 \x03(\x0b\x32\x1c.tokenrelay.v1.TokenizeInput\x12\x12\n\npacked_ids\x18\x02 \x01(\x08\"1\n\x0eTokenizeResult\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x12\n\npacked_ids\x18\x02 \x01(\x0c\"B\n\x10TokenizeResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.tokenrelay.v1.TokenizeResult\"\xf0\x01\n\tDetokOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x18\n\x10include_stop_str\x18\x03 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\x12\x12\n\nprefix_ids\x18\x05 \x03(\r\x12\x41\n\rtrace_context\x18\x06 \x03(\x0b\x32*.tokenrelay.v1.DetokOpen.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"C\n\x0b\x44\x65tokTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\" \n\nDetokClose\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x91\x01\n\x11\x44\x65tokenizeRequest\x12&\n\x04open\x18\x01 \x03(\x0b\x32\x18.tokenrelay.v1.DetokOpen\x12*\n\x06tokens\x18\x02 \x03(\x0b\x32\x1a.tokenrelay.v1.DetokTokens\x12(\n\x05\x63lose\x18\x03 \x03(\x0b\x32\x19.tokenrelay.v1.DetokClose\"\x7f\n\x0b\x44\x65tokOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\x17\n\x0ftokens_consumed\x18\x05 \x01(\r\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"A\n\x12\x44\x65tokenizeResponse\x12+\n\x07outputs\x18\x01 \x03(\x0b\x32\x1a.tokenrelay.v1.DetokOutput\"\r\n\x0bInfoRequest\"\xbf\x01\n\rTokenizerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x19\n\x11special_token_ids\x18\x07 \x03(\rB\x0f\n\r_bos_token_id2\xf1\x01\n\tTokenizer\x12K\n\x08Tokenize\x12\x1e.tokenrelay.v1.TokenizeRequest\x1a\x1f.tokenrelay.v1.TokenizeResponse\x12U\n\nDetokenize\x12 .tokenrelay.v1.DetokenizeRequest\x1a!.tokenrelay.v1.DetokenizeResponse(\x01\x30\x01\x12@\n\x04Info\x12\x1a.tokenrelay.v1.InfoRequest\x1a\x1c.tokenrelay.v1.TokenizerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtokenrelay/v1/tokenizer.proto\x12\rtokenrelay.v1\x1a\x1atokenrelay/v1/common.proto\"\x8f\x01\n\rTokenizeInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.tokenrelay.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\x1c\n\x14\x61llow_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"n\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tokenrelay.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x11\n\tcache_key\x18\x03 \x01(\t\"S\n\x0fTokenizeRequest\x12,\n\x06inputs\x18\x01 \x03(\x0b\x32\x1c.tokenrelay.v1.TokenizeInput\x12\x12\n\npacked_ids\x18\x02 \x01(\x08\"1\n\x0eTokenizeResult\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x12\n\npacked_ids\x18\x02 \x01(\x0c\"B\n\x10TokenizeResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.tokenrelay.v1.TokenizeResult\"\xf0\x01\n\tDetokOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x18\n\x10include_stop_str\x18\x03 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\x12\x12\n\nprefix_ids\x18\x05 \x03(\r\x12\x41\n\rtrace_context\x18\x06 \x03(\x0b\x32*.tokenrelay.v1.DetokOpen.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"C\n\x0b\x44\x65tokTokens\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\" \n\nDetokClose\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x91\x01\n\x11\x44\x65tokenizeRequest\x12&\n\x04open\x18\x01 \x03(\x0b\x32\x18.tokenrelay.v1.DetokOpen\x12*\n\x06tokens\x18\x02 \x03(\x0b\x32\x1a.tokenrelay.v1.DetokTokens\x12(\n\x05\x63lose\x18\x03 \x03(\x0b\x32\x19.tokenrelay.v1.DetokClose\"\x7f\n\x0b\x44\x65tokOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12\x17\n\x0ftokens_consumed\x18\x05 \x01(\r\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"A\n\x12\x44\x65tokenizeResponse\x12+\n\x07outputs\x18\x01 \x03(\x0b\x32\x1a.tokenrelay.v1.DetokOutput\"\r\n\x0bInfoRequest\"\xbf\x01\n\rTokenizerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x19\n\x11special_token_ids\x18\x07 \x03(\rB\x0f\n\r_bos_token_id2\xf1\x01\n\tTokenizer\x12K\n\x08Tokenize\x12\x1e.tokenrelay.v1.TokenizeRequest\x1a\x1f.tokenrelay.v1.TokenizeResponse\x12U\n\nDetokenize\x12 .tokenrelay.v1.DetokenizeRequest\x1a!.tokenrelay.v1.DetokenizeResponse(\x01\x30\x01\x12@\n\x04Info\x12\x1a.tokenrelay.v1.InfoRequest\x1a\x1c.tokenrelay.v1.TokenizerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DETOKOPEN_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_DETOKOPEN_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_TOKENIZEINPUT']._serialized_start=76
-  _globals['_TOKENIZEINPUT']._serialized_end=189
-  _globals['_CHATMESSAGES']._serialized_start=191
-  _globals['_CHATMESSAGES']._serialized_end=301
-  _globals['_TOKENIZEREQUEST']._serialized_start=303
-  _globals['_TOKENIZEREQUEST']._serialized_end=386
-  _globals['_TOKENIZERESULT']._serialized_start=388
-  _globals['_TOKENIZERESULT']._serialized_end=437
-  _globals['_TOKENIZERESPONSE']._serialized_start=439
-  _globals['_TOKENIZERESPONSE']._serialized_end=505
-  _globals['_DETOKOPEN']._serialized_start=508
-  _globals['_DETOKOPEN']._serialized_end=748
-  _globals['_DETOKOPEN_TRACECONTEXTENTRY']._serialized_start=697
-  _globals['_DETOKOPEN_TRACECONTEXTENTRY']._serialized_end=748
-  _globals['_DETOKTOKENS']._serialized_start=750
-  _globals['_DETOKTOKENS']._serialized_end=817
-  _globals['_DETOKCLOSE']._serialized_start=819
-  _globals['_DETOKCLOSE']._serialized_end=851
-  _globals['_DETOKENIZEREQUEST']._serialized_start=854
-  _globals['_DETOKENIZEREQUEST']._serialized_end=999
-  _globals['_DETOKOUTPUT']._serialized_start=1001
-  _globals['_DETOKOUTPUT']._serialized_end=1128
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1130
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1195
-  _globals['_INFOREQUEST']._serialized_start=1197
-  _globals['_INFOREQUEST']._serialized_end=1210
-  _globals['_TOKENIZERINFO']._serialized_start=1213
-  _globals['_TOKENIZERINFO']._serialized_end=1404
-  _globals['_TOKENIZER']._serialized_start=1407
-  _globals['_TOKENIZER']._serialized_end=1648
+  _globals['_TOKENIZEINPUT']._serialized_start=77
+  _globals['_TOKENIZEINPUT']._serialized_end=220
+  _globals['_CHATMESSAGES']._serialized_start=222
+  _globals['_CHATMESSAGES']._serialized_end=332
+  _globals['_TOKENIZEREQUEST']._serialized_start=334
+  _globals['_TOKENIZEREQUEST']._serialized_end=417
+  _globals['_TOKENIZERESULT']._serialized_start=419
+  _globals['_TOKENIZERESULT']._serialized_end=468
+  _globals['_TOKENIZERESPONSE']._serialized_start=470
+  _globals['_TOKENIZERESPONSE']._serialized_end=536
+  _globals['_DETOKOPEN']._serialized_start=539
+  _globals['_DETOKOPEN']._serialized_end=779
+  _globals['_DETOKOPEN_TRACECONTEXTENTRY']._serialized_start=728
+  _globals['_DETOKOPEN_TRACECONTEXTENTRY']._serialized_end=779
+  _globals['_DETOKTOKENS']._serialized_start=781
+  _globals['_DETOKTOKENS']._serialized_end=848
+  _globals['_DETOKCLOSE']._serialized_start=850
+  _globals['_DETOKCLOSE']._serialized_end=882
+  _globals['_DETOKENIZEREQUEST']._serialized_start=885
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1030
+  _globals['_DETOKOUTPUT']._serialized_start=1032
+  _globals['_DETOKOUTPUT']._serialized_end=1159
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1161
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1226
+  _globals['_INFOREQUEST']._serialized_start=1228
+  _globals['_INFOREQUEST']._serialized_end=1241
+  _globals['_TOKENIZERINFO']._serialized_start=1244
+  _globals['_TOKENIZERINFO']._serialized_end=1435
+  _globals['_TOKENIZER']._serialized_start=1438
+  _globals['_TOKENIZER']._serialized_end=1679
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenizeInput(_message.Message):
-    __slots__ = ("text", "chat", "add_special_tokens")
+    __slots__ = ("text", "chat", "add_special_tokens", "allow_special_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    allow_special_tokens: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., allow_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages", "add_generation_prompt", "cache_key")
