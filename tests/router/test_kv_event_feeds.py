@@ -50,7 +50,7 @@ class _Stub:
         self.subscriptions = list(subscriptions)
         self.calls = 0
 
-    def SubscribeKvEvents(self, request: object) -> _Call:  # noqa: N802 - the gRPC method's name
+    def SubscribeKvEvents(self, request: object) -> _Call:
         self.calls += 1
         return _Call(self.subscriptions.pop(0) if self.subscriptions else [], asyncio.Event())
 
