@@ -153,19 +153,17 @@ class EngineStage:
             t0 = time.perf_counter()
             snapshots = self.engines.snapshots()
             if state.generated:     # a migration: the new replica prefills prompt + generated
-                view = replace(view, prompt_ids=[*state.prompt_ids, *state.generated], sticky="",
-                               prompt_tokens=len(state.prompt_ids) + len(state.generated),
-                               max_tokens=state.inp.sampling.max_tokens - len(state.generated))
+                prompt, sampling = state.continuation()
+                view = replace(view, prompt_ids=prompt, sticky="", prompt_tokens=len(prompt),
+                               max_tokens=sampling.max_tokens)
             try:
                 address = self.placement.choose(snapshots, view, frozenset(state.attempts))
             except TokenrelayError:
                 if state.last_error is not None:  # nowhere left: the client hears why the last one failed
                     raise state.last_error from None
                 raise
-            index = self.index
-            if index is not None:
-                hit = bool(index.match(view.prompt_ids, [address], view.cache_salt))
-                index.placed(address, view.prompt_ids, view.cache_salt)
+            if self.index is not None:
+                hit = self.index.placed(address, view.prompt_ids, view.cache_salt)
                 ROUTED.labels(self.policy_name, "hit" if hit else "miss").inc()
             ROUTE_SECONDS.labels(self.policy_name).observe(time.perf_counter() - t0)
             span.set_attribute("tokenrelay.replica", address)
@@ -183,11 +181,7 @@ class EngineStage:
         phase = _tracer.start_span("prefill", context=trace_ctx)
         prefilling = True
         watchdog = _Watchdog(self.progress_timeout)
-        sampling = state.inp.sampling
-        prompt = state.prompt_ids
-        if state.generated:     # migrated: continue from everything already streamed
-            prompt = [*prompt, *state.generated]
-            sampling = replace(sampling, max_tokens=sampling.max_tokens - len(state.generated))
+        prompt, sampling = state.continuation()   # migrated: from everything already streamed
         state.engine_done = False     # a new attempt: its work is there to abort until it ends
         try:
             source = self.engines.submit(address, state.upstream_id, prompt, sampling, eos,
@@ -207,7 +201,7 @@ class EngineStage:
                     state.engine_done = True
                     state.finish_reason = chunk.finish_reason or "length"
                     if self.index is not None:   # what the replica now caches (history-fed replicas)
-                        self.index.finished(address, [*state.prompt_ids, *state.generated], state.tenant)
+                        self.index.finished(address, state.prompt_ids, state.generated, state.tenant)
                 detok.send(chunk.token_ids, final=chunk.finished)
                 if chunk.finished:
                     return

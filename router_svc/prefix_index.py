@@ -178,25 +178,30 @@ class PrefixIndex:
         return True
 
     # -- placements ---------------------------------------------------------------------------
-    def placed(self, address: str, prompt: Sequence[int], salt: str) -> None:
-        """A prompt was routed to `address` (recent placement; history for event-less replicas)."""
+    def placed(self, address: str, prompt: Sequence[int], salt: str) -> bool:
+        """A prompt was routed to `address` (recent placement; history for event-less replicas).
+        Returns whether the replica was believed to hold its first block (as `match` counts it)."""
         r = self.replica(address)
         keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "")
+        reusable = len(prompt) - 1 >= self.tokens_per_block   # the engine always computes the last token
         if r.events:
+            self._expire(r)
+            hit = reusable and (keys[0] in r.held or keys[0] in r.pending)
             expiry = self._clock() + self.pending_ttl
             for key in keys:
                 if key not in r.held:
                     r.pending[key] = expiry
                     r.pending.move_to_end(key)
-            self._expire(r)
         else:
+            hit = reusable and keys[0] in r.history
             self._remember(r, keys)
+        return hit
 
-    def finished(self, address: str, tokens: Sequence[int], salt: str) -> None:
+    def finished(self, address: str, prompt: Sequence[int], reply: Sequence[int], salt: str) -> None:
         """A request ended there: its prompt and reply (event-less replicas only: history)."""
         r = self.replica(address)
         if not r.events:
-            self._remember(r, block_keys(tokens, self.tokens_per_block, salt if r.salted else ""))
+            self._remember(r, block_keys([*prompt, *reply], self.tokens_per_block, salt if r.salted else ""))
 
     @staticmethod
     def _remember(r: _Replica, keys: list[int]) -> None:

@@ -12,11 +12,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.errors import Reason, TokenrelayError
 
-from .types import GenerateInput, Timings, Usage
+from .types import GenerateInput, Sampling, Timings, Usage
 
 
 @dataclass
@@ -66,6 +66,14 @@ class RequestState:
     @property
     def first_token_seen(self) -> bool:
         return bool(self.generated)
+
+    def continuation(self) -> tuple[list[int], Sampling]:
+        """What an attempt submits: the prompt and sampling, or after a migration the prompt plus
+        every token already generated with the token budget that is left."""
+        if not self.generated:
+            return self.prompt_ids, self.inp.sampling
+        return ([*self.prompt_ids, *self.generated],
+                replace(self.inp.sampling, max_tokens=self.inp.sampling.max_tokens - len(self.generated)))
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

@@ -69,8 +69,10 @@ def test_recent_placements_count_until_they_expire() -> None:
     now = [0.0]
     index = PrefixIndex(TPB, pending_ttl=5, clock=lambda: now[0])
     index.reset("a", events=True)
-    index.placed("a", PROMPT, "t")
+    assert not index.placed("a", PROMPT, "t")                 # a miss: nothing was there
     assert index.match(PROMPT, ["a"], "t") == {"a": 4}
+    assert index.placed("a", PROMPT, "t")                     # a hit, as match counts it
+    assert not index.placed("a", PROMPT[:4], "t")             # one token: never a reusable block
     now[0] = 6.0
     assert index.match(PROMPT, ["a"], "t") == {}
 
@@ -83,7 +85,7 @@ def test_history_for_replicas_without_events_evicts_least_recent_first() -> None
     assert index.match(PROMPT, ["h"], "t") == {"h": 4}
     index.placed("h", [50 + i for i in range(8)], "t")        # two new blocks push two old ones out:
     assert index.match(PROMPT, ["h"], "t") == {"h": 2}        # the suffix goes first, as in the engines
-    index.finished("h", [*PROMPT, 1, 2, 3], "t")
+    index.finished("h", PROMPT, [1, 2, 3], "t")
     assert index.match([*PROMPT, 1, 2, 3, 4], ["h"], "t") == {"h": 4}   # prompt + reply: 5 blocks, cap 4
 
 
