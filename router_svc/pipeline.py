@@ -160,16 +160,21 @@ class Router:
         metrics = RequestMetrics(tenant.name, state.priority)
         # The root span is never made "current": this generator yields, and a context attached here
         # would be detached by whichever task closes it. Children get the context explicitly.
-        span = _tracer.start_span("tokenrelay.generate", attributes={
+        # It starts when the call arrived (before the handler ran), like the TTFT it measures.
+        arrived_ns = time.time_ns() - int(max(0.0, time.monotonic() - state.t_arrival) * 1e9)
+        span = _tracer.start_span("tokenrelay.generate", start_time=arrived_ns, attributes={
             "tokenrelay.request_id": state.request_id, "tokenrelay.tenant": tenant.name})
         rctx = trace.set_span_in_context(span)
         structlog.contextvars.bind_contextvars(request_id=state.request_id, tenant=tenant.name,
                                                trace_id=format(span.get_span_context().trace_id, "032x"))
         IN_FLIGHT.labels(tenant.name).inc()
-        finished = False
+        finished = first = False
         try:
             async for event in self._generate(tenant, state, metrics, rctx):
                 finished = isinstance(event, Done)
+                if not first and isinstance(event, Delta):
+                    first = True
+                    span.add_event("first_delta")   # the TTFT breakdown's last mark (bench/ttft_breakdown.py)
                 yield event
         except TokenrelayError as exc:
             metrics.failed("error", exc.reason)
@@ -215,14 +220,19 @@ class Router:
             # From here on the queue entry or the lease is given back on every path: the client may
             # go away at any yield, a grant may land while a cancel is on its way.
             try:
-                yield Accepted(state.request_id, len(state.prompt_ids), admitting.position)
+                first = Accepted(state.request_id, len(state.prompt_ids), admitting.position)
+                accepted: Accepted | None = first
                 if admitting.grant is None:
+                    yield first
+                    accepted = None
                     async for event in self._queued(state, admitting, rctx):
                         yield event
                 state.t_admitted = time.monotonic()
                 state.timings.queue_seconds = max(0.0, state.t_admitted - state.t_arrival
                                                   - state.timings.tokenize_seconds)
-                async for event in self._run(state, metrics, rctx):
+                # Granted at once: `_run` starts the engine stage, then yields the `Accepted`, so
+                # placement and the submit run while the client's Accepted is being written.
+                async for event in self._run(state, metrics, rctx, accepted):
                     if isinstance(event, Done):
                         done = event
                     else:
@@ -288,8 +298,13 @@ class Router:
         contexts = [c for c in (self.ports.engines.max_context, meta.max_context if meta else 0) if c]
         return min(contexts) if contexts else 0
 
-    async def _run(self, state: RequestState, metrics: RequestMetrics, rctx: Context) -> AsyncIterator[Event]:
+    async def _run(self, state: RequestState, metrics: RequestMetrics, rctx: Context,
+                   accepted: Accepted | None = None) -> AsyncIterator[Event]:
+        """The engine stage and the deltas; `accepted`, when given, goes out right after the
+        stage has started (its write overlaps placement and the submit)."""
         if state.is_cancelled:   # cancelled while tokenizing or waiting for admission
+            if accepted is not None:
+                yield accepted
             yield self._done(state, metrics, None)
             return
         meta = self.ports.tokenizer.meta
@@ -303,6 +318,8 @@ class Router:
         pump.add_done_callback(lambda _: _stage_ended(state, detok))
         flushed = False
         try:
+            if accepted is not None:
+                yield accepted
             final: _Merged | None = None
             async for item in self._deltas(state, detok, metrics):
                 if isinstance(item, (Delta, Migrated)):

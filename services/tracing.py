@@ -36,6 +36,7 @@ class JsonlSpanExporter(SpanExporter):
     def __init__(self, path: str) -> None:
         self._path = path
         self._lock = threading.Lock()
+        self._file: Any = None       # opened on the first export, kept open (one write per span)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = []
@@ -46,13 +47,20 @@ class JsonlSpanExporter(SpanExporter):
                 "parent_id": format(parent.span_id, "016x") if parent else None,
                 "service": span.resource.attributes.get("service.name"), "start": span.start_time,
                 "end": span.end_time, "attributes": dict(span.attributes or {}),
+                "events": [{"name": e.name, "t": e.timestamp} for e in span.events],
                 "status": span.status.status_code.name}))
-        with self._lock, open(self._path, "a") as f:
-            f.write("".join(line + "\n" for line in lines))
+        with self._lock:
+            if self._file is None:
+                self._file = open(self._path, "a")   # kept open until shutdown
+            self._file.write("".join(line + "\n" for line in lines))
+            self._file.flush()
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        return None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExporter | None = None,

@@ -100,11 +100,16 @@ class Batcher(Generic[J, R]):
                 executor.shutdown(wait=False, cancel_futures=True)
         self._executor = self._post_executor = None
 
-    async def submit(self, job: J, size: int = 1) -> R:
+    async def submit(self, job: J, size: int = 1, inline: bool = False) -> R:
+        """The job's result. ``inline``: the caller says the job is small; when nothing is queued
+        or running, it is then run right here on the event loop (no hand-off to the worker and
+        post threads and back: their wake-ups cost more than a small job's work)."""
         if self._dispatcher is None:
             raise Reason.SHUTTING_DOWN.error("tokenizer is not running")
         if self._pending + size > self.max_pending:
             raise Reason.OVERLOADED.error(f"tokenizer overloaded: {self._pending} inputs pending")
+        if inline and self._pending == 0 and self._idle == self.workers:
+            return self._run_inline(job, size)
         entry: _Job[J, R] = _Job(job, size, asyncio.get_running_loop().create_future())
         self._pending += size
         self._queue.put_nowait(entry)
@@ -114,6 +119,22 @@ class Batcher(Generic[J, R]):
             if not entry.future.done():
                 # The caller went away: the dispatcher will skip this job.
                 entry.future.cancel()
+
+    def _run_inline(self, job: J, size: int) -> R:
+        self._pending += size
+        try:
+            staged = self._run([job])
+            results = self._run_post([job], staged) if self._post is not None else staged
+        except Exception as exc:
+            log.error("batch_failed", batcher=self._name, error=repr(exc))
+            raise
+        finally:
+            self._pending -= size
+            self.batches_run += 1
+        result = results[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result  # type: ignore[no-any-return]
 
     async def _dispatch(self) -> None:
         assert self._slots is not None

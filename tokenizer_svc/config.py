@@ -56,6 +56,9 @@ class TokenizerSettings(ServiceSettings):
                                                      "UNAVAILABLE/OVERLOADED")
     max_pending_bytes: int = Field(32 << 20, ge=0, description="text (UTF-8 bytes) queued or being encoded "
                                    "before Tokenize answers UNAVAILABLE/OVERLOADED at once; 0 = no byte limit")
+    inline_bytes: int = Field(4096, ge=0, le=1 << 20, description="a call of at most this much text (UTF-8 "
+                              "bytes) that finds the encoder idle is encoded on the event loop, skipping the "
+                              "worker and post threads' hand-offs (~0.3 ms of latency); 0 = never")
     max_input_bytes: int = Field(4 << 20, ge=1, description="largest input in UTF-8 bytes (INPUT_TOO_LARGE "
                                                             "beyond)")
     max_input_tokens: int = Field(0, ge=-1, description="most tokens per input (PROMPT_TOO_LONG beyond); 0 = "

@@ -85,7 +85,7 @@ async def test_a_full_detokenize_stream_is_unavailable_with_retry_after_not_inte
 
 async def test_an_overloaded_tokenize_call_is_unavailable_with_retry_after(tmp_path: pathlib.Path) -> None:
     # One input may be pending on the tokenizer; the first request's is held in its worker.
-    async with mesh(tmp_path, max_batch=1, max_pending=1) as (router, tok):
+    async with mesh(tmp_path, max_batch=1, max_pending=1, inline_bytes=0) as (router, tok):
 
         batcher = tok.encoder.batcher  # type: ignore[union-attr]
         release, entered = threading.Event(), threading.Event()

@@ -203,3 +203,34 @@ async def test_close_while_a_batch_encodes_before_its_post_stage_fails_it_cleanl
         with pytest.raises(Unavailable) as info:
             await asyncio.wait_for(held, 5)
         assert info.value.reason == "SHUTTING_DOWN"
+
+
+async def test_a_small_job_on_an_idle_batcher_runs_inline_and_one_behind_busy_work_is_queued() -> None:
+    """`inline=True` (the encoder's small calls): on the event loop's thread when nothing is
+    queued or running, skipping the thread hand-offs; behind running work it waits its turn."""
+    threads: list[int] = []
+
+    def work(jobs: list[list[str]]) -> list[list[str] | BaseException]:
+        threads.append(threading.get_ident())
+        return Gate()(jobs)
+
+    batcher: Batcher[list[str], list[str]] = Batcher(work, workers=1, max_batch=10, max_pending=100)
+    await batcher.start()
+    try:
+        assert await batcher.submit(["a"], 1, inline=True) == ["A"]
+        assert threads == [threading.get_ident()] and batcher.batches_run == 1
+        assert await batcher.submit(["b"], 1) == ["B"]          # not small: a worker thread
+        assert threads[-1] != threading.get_ident()
+        with pytest.raises(InvalidArgument):                  # a job's error, inline too
+            await batcher.submit(["bad"], 1, inline=True)
+        assert batcher.pending == 0
+    finally:
+        await batcher.close()
+    async with held_batcher(workers=1, max_batch=10) as (gate, held):
+        first = asyncio.create_task(held.submit(["a"], 1))
+        await poll(gate.entered.is_set)
+        second = asyncio.create_task(held.submit(["c"], 1, inline=True))
+        await poll(lambda: held.pending == 2)                  # queued behind the running batch
+        gate.open.set()
+        assert (await first, await second) == (["A"], ["C"])
+        assert [len(b) for b in gate.batches] == [1, 1]

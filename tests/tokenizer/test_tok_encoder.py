@@ -17,7 +17,7 @@ from tokenizer_svc.loader import LoadedTokenizer
 
 async def test_mixed_inputs_and_finish_runs_off_the_loop(tiny_sp: LoadedTokenizer) -> None:
     template = ChatTemplate(tiny_sp.chat_templates["default"], "default", tiny_sp.special_tokens)
-    encoder = Encoder(tiny_sp, template, EncoderLimits(), workers=2)
+    encoder = Encoder(tiny_sp, template, EncoderLimits(inline_bytes=0), workers=2)
     await encoder.start()
     try:
         threads: list[str] = []
@@ -36,6 +36,15 @@ async def test_mixed_inputs_and_finish_runs_off_the_loop(tiny_sp: LoadedTokenize
         assert threads and threads[0] != threading.current_thread().name
     finally:
         await encoder.close()
+    # By default a call this small that finds the encoder idle is encoded on the loop (no hand-offs).
+    inline = Encoder(tiny_sp, template, EncoderLimits(), workers=2)
+    await inline.start()
+    try:
+        threads.clear()
+        assert await inline.tokenize(inputs, finish=finish) == [len(e) for e in expected]
+        assert threads == [threading.current_thread().name]
+    finally:
+        await inline.close()
 
 
 async def test_token_limit_fails_only_the_offending_call(tiny_sp: LoadedTokenizer) -> None:
@@ -70,7 +79,7 @@ async def test_a_lone_prompt_is_named_as_the_prompt_not_by_an_index(tiny_sp: Loa
 
 async def test_queued_text_beyond_the_byte_budget_is_refused_at_once(tiny_bl):
 
-    encoder = Encoder(tiny_bl, None, EncoderLimits(max_pending_bytes=100), workers=1)
+    encoder = Encoder(tiny_bl, None, EncoderLimits(max_pending_bytes=100, inline_bytes=0), workers=1)
     await encoder.start()
     try:
         # Idle: one call above the budget is still served (a budget never starves a lone caller).
@@ -90,7 +99,7 @@ async def test_queued_text_beyond_the_byte_budget_is_refused_at_once(tiny_bl):
 async def test_queued_calls_are_merged_up_to_batch_inputs(tiny_sp: LoadedTokenizer) -> None:
     """Calls carry at most max_batch inputs each, but calls queued behind a running batch are
     encoded together, up to batch_inputs inputs (big batches keep many cores busy)."""
-    encoder = Encoder(tiny_sp, None, EncoderLimits(max_batch=2, batch_inputs=6), workers=1)
+    encoder = Encoder(tiny_sp, None, EncoderLimits(max_batch=2, batch_inputs=6, inline_bytes=0), workers=1)
     sizes: list[int] = []
     entered, gate = threading.Event(), threading.Event()
     inner = encoder._encode_calls

@@ -152,7 +152,8 @@ async def test_no_chat_template(tmp_path: pathlib.Path) -> None:
 
 
 async def test_overload_is_unavailable(tiny_dirs: dict[str, pathlib.Path]) -> None:
-    async with running(tiny_dirs["tiny-bytelevel"], workers=1, max_batch=2, max_pending=2) as (app, stub):
+    async with running(tiny_dirs["tiny-bytelevel"], workers=1, max_batch=2, max_pending=2,
+                       inline_bytes=0) as (app, stub):
         batcher = app.encoder.batcher  # type: ignore[union-attr]
         release, entered = threading.Event(), threading.Event()
         process = batcher._process
