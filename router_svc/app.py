@@ -21,6 +21,7 @@ from .discovery import resolve_once
 from .kv_events import KvEventFeeds
 from .overload import AcceptProbe, OverloadGate
 from .placement import PrefixAware, PrefixWeights, make_policy
+from .placement_share import PlacementShare
 from .ports import Placement
 from .prefix_index import PrefixIndex
 from .servicer import InferenceServicer, add_to_server
@@ -82,6 +83,7 @@ async def serve(settings: RouterSettings) -> None:
                                   max_calls=upstreams.tokenize_calls_in_flight,
                                   max_bytes=upstreams.tokenize_bytes_in_flight, security=settings.security)
     feeds: KvEventFeeds | None = None
+    share: PlacementShare | None = None
     pools: PoolControl | None = None
     try:
         await tenants.start()  # before the slow waits, so a SIGHUP during startup reloads, not kills
@@ -95,6 +97,15 @@ async def serve(settings: RouterSettings) -> None:
             feeds.sync(r.address for r in engines.replicas)
             if hasattr(engines, "add_listener"):
                 engines.add_listener(feeds.on_membership)
+        if settings.routing.share_placements:
+            # Placements and in-flight counts shared with the other routers (docs/routing.md, "Several
+            # routers"); a router of another policy shares its in-flight counts only.
+            share = PlacementShare(cluster.redis, cluster.pipe, settings.admission.pool, cluster.router_id,
+                                   index, lambda: {s.address: s.in_flight for s in engines.snapshots()},
+                                   op_timeout=cluster.op_timeout)
+            if isinstance(placement, PrefixAware):
+                placement.remote_in_flight = share.remote_in_flight
+            await share.start()
         # Engine pools: the traffic split (shared through Redis, changed at runtime) and shadow traffic.
         pools = PoolControl(settings.pools, settings.admission, EnginesAdapter(engines), placement,
                             lambda: list(tokenizer.meta.eos_token_ids) if tokenizer.meta else [])
@@ -130,6 +141,8 @@ async def serve(settings: RouterSettings) -> None:
             await pools.close()
         if feeds is not None:
             await feeds.close()
+        if share is not None:
+            await share.close()
         await tenants.close()
         await gate.close()
         await cluster.close()

@@ -116,6 +116,12 @@ class RoutingSettings(Section):
     prefix_pending_ttl: float = Field(
         5.0, ge=0, le=600, description="prefix policy: seconds a prompt routed to a replica counts as cached "
                                        "there before its KV events arrive")
+    share_placements: bool = Field(
+        True, description="publish this router's placements and in-flight counts to the other routers of the "
+                          "admission --pool through Redis pub/sub, and (prefix policy) enter theirs, so every "
+                          "router sees a placement within milliseconds, before the engines' KV events, and "
+                          "weighs the same load; every router of a pool should share, or none (Redis down: "
+                          "each router routes on its own view)")
 
 
 class LimitSettings(Section):

@@ -18,6 +18,10 @@ Policies (`--routing-policy`):
   and one more `load_cost` when its free KV blocks cannot hold the uncached prompt and the reply —
   never a cache hit at any price: a replica with more requests than the balance bound allows
   (`balance_rel` × the least loaded one's, or that plus `balance_abs`) is not a candidate.
+  While router processes share their placements (`placement_share.PlacementShare`, live),
+  `remote_in_flight` adds the other routers' requests in flight to this router's own and the
+  engine's reported counts are clamped to that total (`cluster_view`), so every router weighs the
+  same, current load.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from __future__ import annotations
 import itertools
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from services.errors import Reason
 
@@ -138,8 +142,9 @@ class PrefixWeights:
 
 
 def requests_on(s: ReplicaSnapshot) -> int:
-    """Requests on the replica as best known: the engine's running + queued (every router's), or this
-    router's in flight when that is more (the engine's report lags)."""
+    """Requests on the replica as best known: the engine's running + queued (every router's), or the
+    routers' in flight when that is more (the engine's report lags): this router's own, plus the
+    others' where placements are shared (`PrefixAware.remote_in_flight`)."""
     return max(s.active + s.queued, s.in_flight)
 
 
@@ -150,19 +155,40 @@ def waiting_ahead(s: ReplicaSnapshot) -> int:
     return max(s.queued, requests_on(s) + 1 - s.max_active, 0)
 
 
+def cluster_view(s: ReplicaSnapshot, remote: int) -> ReplicaSnapshot:
+    """The replica as every router sees it when all share their in-flight counts: the routers'
+    requests there (this one's + the others'), and the engine's running / queued counts clamped to
+    that total — the engine's report is the last one that reached this router (on its own stream or
+    the poll, up to a poll interval old) and overstates a replica whose requests just ended; the
+    shared counts are milliseconds old."""
+    total = s.in_flight + remote
+    active = min(s.active, total)
+    queued = min(s.queued, total - active)
+    if (total, active, queued) == (s.in_flight, s.active, s.queued):
+        return s
+    return replace(s, in_flight=total, active=active, queued=queued)
+
+
 class PrefixAware:
     """Prefix-cache-aware placement weighed against load (module doc). `index` is read only here;
     the engine stage records placements in it and the KV-event subscribers keep it current."""
 
     name = "prefix"
 
-    def __init__(self, index: PrefixIndex, weights: PrefixWeights | None = None) -> None:
+    def __init__(self, index: PrefixIndex, weights: PrefixWeights | None = None,
+                 remote_in_flight: Callable[[], Mapping[str, int] | None] | None = None) -> None:
         self.index = index
         self.w = weights or PrefixWeights()
+        # The other routers' requests per replica while placements are shared (None: not live now).
+        self.remote_in_flight = remote_in_flight
 
     def choose(self, snapshots: Sequence[ReplicaSnapshot], request: PlacementView,
                exclude: frozenset[str] = frozenset()) -> str:
         candidates = eligible(snapshots, request, exclude)
+        if self.remote_in_flight is not None:
+            remote = self.remote_in_flight()
+            if remote is not None:
+                candidates = [cluster_view(s, remote.get(s.address, 0)) for s in candidates]
         held = sticky_choice(candidates, request)
         if held:
             return held

@@ -19,6 +19,10 @@ Three sources, per replica:
   together before the first has been prefilled.
 - Routing history (`placed` + `finished`, for replicas that publish no events): prompts and
   replies routed there, in an LRU bounded by the replica's KV capacity (eviction modelled).
+- Other routers' placements (`remote`, fed by `placement_share.PlacementShare`): the keys another
+  router process placed (or finished) on a replica, entered exactly as this router's own — pending
+  until the events arrive, or history for event-less replicas. `on_record`, when set, hears every
+  placement and history entry this router makes (the share publishes them).
 """
 
 from __future__ import annotations
@@ -88,6 +92,9 @@ class PrefixIndex:
         self.pending_ttl = pending_ttl
         self._clock = clock
         self._replicas: dict[str, _Replica] = {}
+        # (address, keys, kind): kind "placed" (pending, or history without events) or "finished"
+        # (history only); the keys as this router computed them (salt folded in where it applies).
+        self.on_record: Callable[[str, list[int], str], None] | None = None
 
     # -- membership ---------------------------------------------------------------------------
     def replica(self, address: str) -> _Replica:
@@ -187,24 +194,47 @@ class PrefixIndex:
         if r.events:
             self._expire(r)
             hit = reusable and (keys[0] in r.held or keys[0] in r.pending)
-            expiry = self._clock() + self.pending_ttl
-            for key in keys:
-                if key not in r.held:
-                    r.pending[key] = expiry
-                    r.pending.move_to_end(key)
+            self._pend(r, keys, self._clock() + self.pending_ttl)
         else:
             hit = reusable and keys[0] in r.history
             self._remember(r, keys)
+        if self.on_record is not None and keys:
+            self.on_record(address, keys, "placed")
         return hit
+
+    def remote(self, address: str, keys: Sequence[int], kind: str, age: float = 0.0) -> None:
+        """Another router placed (`kind` "placed") or finished ("finished") these keys on `address`
+        `age` seconds ago: the same entries as this router's own (`placed` / `finished`). A replica
+        this router does not follow (another pool's, one it forgot) is not added."""
+        r = self._replicas.get(address)
+        if r is None:
+            return
+        if r.events:
+            if kind == "placed" and age < self.pending_ttl:
+                self._expire(r)
+                self._pend(r, keys, self._clock() + self.pending_ttl - max(0.0, age))
+        elif kind in ("placed", "finished"):
+            self._remember(r, keys)
+
+    @staticmethod
+    def _pend(r: _Replica, keys: Sequence[int], expiry: float) -> None:
+        pending, held = r.pending, r.held
+        for key in keys:
+            if key not in held and pending.get(key, 0.0) < expiry:
+                pending[key] = expiry
+                pending.move_to_end(key)
 
     def finished(self, address: str, prompt: Sequence[int], reply: Sequence[int], salt: str) -> None:
         """A request ended there: its prompt and reply (event-less replicas only: history)."""
         r = self.replica(address)
         if not r.events:
-            self._remember(r, block_keys([*prompt, *reply], self.tokens_per_block, salt if r.salted else ""))
+            keys = block_keys([*prompt, *reply], self.tokens_per_block, salt if r.salted else "")
+            self._remember(r, keys)
+            if self.on_record is not None and keys:
+                self.on_record(address, keys, "finished")
 
     @staticmethod
-    def _remember(r: _Replica, keys: list[int]) -> None:
+    def _remember(r: _Replica, keys: Sequence[int]) -> None:
         # Tail first, so the chain's head is the most recent and suffixes are evicted first (as
         # the engines release a request's blocks tail first).
         for key in reversed(keys):

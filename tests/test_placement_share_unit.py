@@ -1,0 +1,123 @@
+"""PlacementShare in one process over a real redis-server: two routers' indexes, what one records
+the other enters (pending, with the same expiry), in-flight vectors, and Redis down."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from prometheus_client import REGISTRY
+
+from router_svc.cluster_redis import Pipeliner, open_redis
+from router_svc.placement import PrefixAware
+from router_svc.placement_share import PlacementShare, pack_keys, unpack_keys
+from router_svc.ports import PlacementView, ReplicaSnapshot
+from router_svc.prefix_index import PrefixIndex, block_keys
+from tests.waiting import poll
+
+PROMPT = list(range(1, 200))
+E = ["e0:1", "e1:1", "e2:1"]
+
+
+def _index() -> PrefixIndex:
+    index = PrefixIndex(tokens_per_block=16)
+    for address in E:
+        index.reset(address, events=True)     # replicas with KV events: placements are pending entries
+    return index
+
+
+async def _share(url: str, name: str, index: PrefixIndex, in_flight: dict[str, int],
+                 pool: str = "unit") -> tuple[PlacementShare, Pipeliner]:
+    redis = open_redis(url, 0.5)
+    pipe = Pipeliner(redis, 0.5)
+    pipe.start()
+    share = PlacementShare(redis, pipe, pool, name, index, lambda: in_flight, op_timeout=0.5, tick=0.02)
+    await share.start()
+    return share, pipe
+
+
+def _sent(event: str) -> float:
+    return REGISTRY.get_sample_value("tokenrelay_router_placement_share_total", {"event": event}) or 0.0
+
+
+def test_keys_pack_round_trip() -> None:
+    keys = block_keys(PROMPT, 16, "tenant")
+    assert list(unpack_keys(pack_keys(keys))) == keys
+    with pytest.raises(ValueError):
+        unpack_keys("AAAA")    # 3 bytes: not int64s
+
+
+def test_remote_placements_expire_like_local_ones() -> None:
+    now = [100.0]
+    index = PrefixIndex(tokens_per_block=16, pending_ttl=5.0, clock=lambda: now[0])
+    index.reset("e0:1", events=True)
+    index.reset("e1:1", events=False)          # no events: routing history
+    keys = block_keys(PROMPT, 16, "t")
+    index.remote("e0:1", keys, "placed", age=4.0)     # heard 4 s late: 1 s of pending left
+    index.remote("e0:1", keys[:2], "finished")          # finished: history only, nothing here
+    assert index.match(PROMPT, ["e0:1"], "t") == {"e0:1": (len(PROMPT) - 1) // 16}
+    now[0] += 1.5
+    assert index.match(PROMPT, ["e0:1"], "t") == {}
+    index.remote("e0:1", keys, "placed", age=6.0)     # older than the ttl: ignored
+    assert index.stats("e0:1")["pending"] == 0
+    index.remote("e1:1", keys, "finished")
+    assert index.match(PROMPT, ["e1:1"], "t") == {"e1:1": (len(PROMPT) - 1) // 16}
+    index.remote("elsewhere:1", keys, "placed")      # a replica this router does not follow
+    assert index.match(PROMPT, ["elsewhere:1"], "t") == {}
+
+
+async def test_the_buffer_is_bounded() -> None:
+    index = _index()
+    share = PlacementShare(None, None, "unit", "r", index, dict, max_buffer=3, max_publishes=0)  # type: ignore[arg-type]
+    dropped = _sent("dropped")
+    for _ in range(5):
+        share.record("e0:1", block_keys(PROMPT, 16, "t"), "placed")
+    share._flush()                # a publish budget of 0: nothing leaves, records wait
+    assert len(share._buffer) == 3 and _sent("dropped") == dropped + 2
+
+
+async def test_a_placement_reaches_the_other_router(redis_url: str) -> None:
+    ia, ib = _index(), _index()
+    a_flight: dict[str, int] = {}
+    a, pa = await _share(redis_url, "ra", ia, a_flight)
+    b, pb = await _share(redis_url, "rb", ib, {})
+    try:
+        assert ib.match(PROMPT, E, "t") == {}
+        a_flight["e1:1"] = 3
+        t0 = time.monotonic()
+        ia.placed("e1:1", PROMPT, "t")
+        await poll(lambda: ib.match(PROMPT, E, "t"), timeout=2, what="router b to hear router a's placement")
+        assert time.monotonic() - t0 < 0.5
+        assert ib.match(PROMPT, E, "t") == {"e1:1": (len(PROMPT) - 1) // 16}
+        assert ib.stats("e1:1")["pending"] == len(PROMPT) // 16     # pending, as its own would be
+        assert ia.stats("e0:1")["pending"] == 0 and a.received == 0    # a ignores its own records
+        await poll(lambda: b.remote_in_flight() == {"e1:1": 3}, timeout=2, what="a's in-flight vector")
+        # The policy weighs a's requests: e1 now counts 3 on router b, so a prompt nobody holds goes elsewhere.
+        policy = PrefixAware(ib, remote_in_flight=b.remote_in_flight)
+        view = PlacementView("t", "", 40, "", "", list(range(500, 540)), "t", 4)
+        snaps = [ReplicaSnapshot(address) for address in ("e1:1", "e0:1", "e2:1")]
+        assert policy.choose(snaps, view) == "e0:1"
+        a_flight.clear()          # its requests ended: the ticker says so
+        await poll(lambda: b.remote_in_flight() == {}, timeout=2, what="a's in-flight to drop")
+    finally:
+        for share, pipe in ((a, pa), (b, pb)):
+            await share.close()
+            await pipe.close()
+
+
+async def test_redis_down_each_router_keeps_its_own_view(tmp_path) -> None:
+    index = _index()
+    failed = _sent("publish_failed")
+    t0 = time.monotonic()
+    share, pipe = await _share(f"unix://{tmp_path}/no-redis.sock", "rx", index, {"e0:1": 1})
+    try:
+        assert time.monotonic() - t0 < 2.5                     # bounded start, no hang
+        assert not share.subscribed.is_set()
+        index.placed("e2:1", PROMPT, "t")                       # never raises, never waits
+        assert index.match(PROMPT, E, "t") == {"e2:1": (len(PROMPT) - 1) // 16}
+        await poll(lambda: _sent("publish_failed") > failed, timeout=3, what="the failed publish to be counted")
+        await asyncio.sleep(0)
+    finally:
+        await share.close()
+        await pipe.close()
