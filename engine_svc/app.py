@@ -37,20 +37,31 @@ async def start_engine(settings: EngineSettings) -> tuple[Engine, GrpcServer]:
 
 
 def _report_death(engine: Engine, server: GrpcServer) -> None:
-    """A dead backend makes the standard health service answer NOT_SERVING (load balancers and
-    the launcher stop sending work; the process stays up so its logs and metrics can be read)."""
+    """A dead or unavailable backend makes the standard health service answer NOT_SERVING (load
+    balancers and the launcher stop sending work; the process stays up so its logs and metrics can
+    be read); an unavailable one that serves again makes it answer SERVING again. A drain is the
+    server's own business (`GrpcServer.stop` marks NOT_SERVING)."""
     pending: set[asyncio.Task[None]] = set()
+    told = [health_pb2.HealthCheckResponse.SERVING]   # what the server's start() set
 
-    async def not_serving() -> None:
+    async def tell(status: int) -> None:
         for name in ("", SERVICE_NAME):
-            result = server.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            result = server.health.set(name, status)
             if asyncio.iscoroutine(result):
                 await result
 
     def on_change() -> None:
-        if engine.health is HealthState.DEAD and not pending:
-            task = asyncio.get_running_loop().create_task(not_serving(), name="engine-health-not-serving")
-            pending.add(task)
+        health = engine.health
+        if health is HealthState.DRAINING:
+            return
+        status = (health_pb2.HealthCheckResponse.SERVING if health is HealthState.SERVING
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if status == told[0]:
+            return
+        told[0] = status
+        task = asyncio.get_running_loop().create_task(tell(status), name="engine-health-status")
+        pending.add(task)
+        task.add_done_callback(pending.discard)
 
     engine.on_health_change(on_change)
     on_change()   # it may have died while the server started

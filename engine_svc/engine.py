@@ -99,11 +99,14 @@ class Engine:
             wake()
 
     def _on_backend_health(self, state: HealthState) -> None:
-        if state is HealthState.DEAD:
+        if state in (HealthState.DEAD, HealthState.UNAVAILABLE):
             detail = self.backend.health_detail or "the engine backend failed"
-            log.error("engine_dead", backend=self.backend.name, detail=detail, live=len(self._live))
+            dead = state is HealthState.DEAD
+            (log.error if dead else log.warning)("engine_dead" if dead else "engine_unavailable",
+                                                 backend=self.backend.name, detail=detail, live=len(self._live))
+            what = "engine died" if dead else "engine unavailable"
             for rid in list(self._live):
-                self._finish(rid, GenerationEvent.failed(rid, Reason.ENGINE_UNAVAILABLE, f"engine died: {detail}"))
+                self._finish(rid, GenerationEvent.failed(rid, Reason.ENGINE_UNAVAILABLE, f"{what}: {detail}"))
         else:
             log.info("engine_health", backend=self.backend.name, state=state.value)
         self._notify()
@@ -122,6 +125,8 @@ class Engine:
         health = self.health
         if health is HealthState.DEAD:
             raise Reason.ENGINE_UNAVAILABLE.error(f"engine is dead: {self.backend.health_detail}")
+        if health is HealthState.UNAVAILABLE:
+            raise Reason.ENGINE_UNAVAILABLE.error(f"engine is unavailable: {self.backend.health_detail}")
         if health is HealthState.DRAINING:
             raise Reason.SHUTTING_DOWN.error("engine is shutting down")
         if request.deadline is not None and request.deadline <= time.monotonic():

@@ -134,6 +134,9 @@ class LoadCollector(Collector):
         yield GaugeMetricFamily(_P + "dead", "1 when the backend reported its engine dead (the service then "
                                 "answers NOT_SERVING and fails every request)",
                                 value=sum(1 for b in backends if b.health() is HealthState.DEAD))
+        yield GaugeMetricFamily(_P + "unavailable", "1 while the engine server a remote backend reaches does not "
+                                "answer (NOT_SERVING; probed, back to serving by itself)",
+                                value=sum(1 for b in backends if b.health() is HealthState.UNAVAILABLE))
         yield CounterMetricFamily(_P + "kv_events", "KV-cache events published to subscribers (SubscribeKvEvents)",
                                   value=sum(b.kv_events_published for b in backends))
 

@@ -18,7 +18,8 @@ from .outbox import Chunk
 from .session import Inbound, StreamSession
 
 _HEALTH = {HealthState.SERVING: engine_pb2.ENGINE_HEALTH_SERVING,
-           HealthState.DRAINING: engine_pb2.ENGINE_HEALTH_DRAINING, HealthState.DEAD: engine_pb2.ENGINE_HEALTH_DEAD}
+           HealthState.DRAINING: engine_pb2.ENGINE_HEALTH_DRAINING, HealthState.DEAD: engine_pb2.ENGINE_HEALTH_DEAD,
+           HealthState.UNAVAILABLE: engine_pb2.ENGINE_HEALTH_UNAVAILABLE}
 _KV_EVENT = {KvEventType.STORED: engine_pb2.KV_EVENT_STORED, KvEventType.REMOVED: engine_pb2.KV_EVENT_REMOVED,
              KvEventType.CREATED: engine_pb2.KV_EVENT_CREATED, KvEventType.UPDATED: engine_pb2.KV_EVENT_UPDATED}
 _MASK64 = (1 << 64) - 1

@@ -17,10 +17,12 @@ No grpc or protobuf here: TensorRT-LLM (`generate_async` + `RequestOutput.abort(
 backends do.
 
 Optional parts (issue 13; every default is safe, so a backend that implements none still works):
-- `health()`: SERVING / DRAINING / DEAD. A backend whose engine dies calls `_set_health(DEAD)`
-  after ending every live request with ERROR / ENGINE_UNAVAILABLE (retryable: the router tries
-  another replica); the `Engine` facade then fails whatever is left, refuses new work and the
-  service reports NOT_SERVING. Nothing waits on a dead engine.
+- `health()`: SERVING / DRAINING / DEAD / UNAVAILABLE. A backend whose engine dies calls
+  `_set_health(DEAD)` after ending every live request with ERROR / ENGINE_UNAVAILABLE (retryable:
+  the router tries another replica); the `Engine` facade then fails whatever is left, refuses new
+  work and the service reports NOT_SERVING. Nothing waits on a dead engine. DEAD is final. A remote
+  backend whose server stops answering uses UNAVAILABLE instead: the same, except that it keeps
+  probing and sets SERVING again when the server is back (the service then reports SERVING).
 - `iteration_stats()`: the latest iteration's counts (default: derived from `load()` and
   `prefix_cache_stats()`).
 - `kv_events()`: a subscription to the backend's KV-cache events (`events.py`, TensorRT-LLM's
@@ -201,12 +203,16 @@ class Backend(ABC):
         return self._health_detail
 
     def _set_health(self, state: HealthState, detail: str = "") -> None:
-        """Record a health change and tell the listener; DEAD is final."""
+        """Record a health change and tell the listener; DEAD is final. Going DEAD or UNAVAILABLE
+        ends the KV-event subscriptions (after DEAD none are taken any more)."""
         if state is self._health or self._health is HealthState.DEAD:
             return
-        self._health, self._health_detail = state, detail
-        if state is HealthState.DEAD and self._kv_hub is not None:
-            self._kv_hub.close()
+        self._health, self._health_detail = state, "" if state is HealthState.SERVING else detail
+        if self._kv_hub is not None:
+            if state is HealthState.DEAD:
+                self._kv_hub.close()
+            elif state is HealthState.UNAVAILABLE:
+                self._kv_hub.end_subscriptions()
         if self.health_listener is not None:
             self.health_listener(state)
 

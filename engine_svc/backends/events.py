@@ -27,6 +27,10 @@ class HealthState(enum.Enum):
     SERVING = "serving"      # accepting requests
     DRAINING = "draining"    # finishing what it has, refusing new requests (shutdown)
     DEAD = "dead"            # the engine failed: nothing it holds will finish; restart the process
+    # The engine server a remote backend reaches (trtllm-grpc, triton) does not answer: what it held
+    # was failed (retryable) and new work is refused, as for DEAD, but the backend keeps probing and
+    # returns to SERVING by itself when the server answers again (a restarted server, a network cut).
+    UNAVAILABLE = "unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,5 +182,10 @@ class KvEventHub:
     def close(self) -> None:
         """End every subscription (their iterators finish after what is buffered)."""
         self.closed = True
+        self.end_subscriptions()
+
+    def end_subscriptions(self) -> None:
+        """End the current subscriptions but take new ones (the engine went unavailable: what the
+        subscribers know of its cache is void; they subscribe again once it serves)."""
         for sub in list(self._subscribers):
             sub.close()

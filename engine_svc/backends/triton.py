@@ -14,7 +14,10 @@ belongs to its request. Each streamed response carries that step's new token ids
   (the same request id with ``stop`` true) on the request's stream, then half-closes it; a stream
   still open ``stop_timeout`` seconds later is cancelled (Triton cancels the request).
 - Failures: an error response fails its request with ENGINE_ERROR; an UNAVAILABLE stream or a
-  failed readiness probe ends every live request with ENGINE_UNAVAILABLE and marks the backend DEAD.
+  failed readiness probe ends every live request with ENGINE_UNAVAILABLE and marks the backend
+  UNAVAILABLE (the service answers NOT_SERVING); the probe goes on, and once the model is ready again
+  (with the same interface) the backend serves again, no restart of this process needed. Another
+  interface, or no probe (`health_interval` 0), makes it DEAD (final).
 
 tritonclient is imported when the backend starts (the `triton` extra).
 """
@@ -71,6 +74,8 @@ class TritonBackend(Backend):
         self._counter = 0
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
+        self._interface: ModelInterface | None = None
+        self.recoveries = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -91,6 +96,7 @@ class TritonBackend(Backend):
                                    f"after {cfg.connect_timeout:g} s")
             await asyncio.sleep(0.2)   # retry period of a server still starting, not a synchronisation
         interface = ModelInterface.from_config(await self._client.get_model_config(cfg.model_name, as_json=True))
+        self._interface = interface
         if not interface.decoupled:
             await self._client.close()
             raise RuntimeError(f"triton: model {cfg.model_name!r} is not decoupled: streaming needs "
@@ -112,7 +118,7 @@ class TritonBackend(Backend):
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         tensors = self._tensors
-        if self._health is HealthState.DEAD or tensors is None:
+        if self._health is not HealthState.SERVING or tensors is None:
             raise Reason.ENGINE_UNAVAILABLE.error(f"triton server unavailable: {self._health_detail}")
         tensors.check(request)
         self._counter += 1
@@ -206,8 +212,9 @@ class TritonBackend(Backend):
 
     # -- health -------------------------------------------------------------------------------
     def _server_gone(self, detail: str) -> None:
-        """Triton is unreachable or the model is not ready: fail everything live (retryable), then DEAD."""
-        if self._health is HealthState.DEAD:
+        """Triton is unreachable or the model is not ready: fail everything live (retryable), then
+        UNAVAILABLE while the probe runs (it brings the backend back), else DEAD."""
+        if self._health is not HealthState.SERVING:
             return
         log.warning("triton_server_gone", url=self.config.url, detail=detail, live=len(self._live))
         for live in list(self._live.values()):
@@ -215,7 +222,7 @@ class TritonBackend(Backend):
             live.outbox.put_nowait(None)
             if live.task is not None:
                 live.task.cancel()
-        self._set_health(HealthState.DEAD, detail)
+        self._set_health(HealthState.UNAVAILABLE if self.config.health_interval > 0 else HealthState.DEAD, detail)
 
     async def _watch_health(self) -> None:
         from tritonclient.utils import InferenceServerException
@@ -226,10 +233,29 @@ class TritonBackend(Backend):
                 ready = await self._client.is_model_ready(self.config.model_name)
             except InferenceServerException as e:
                 self._server_gone(f"triton readiness probe: {e.message()}")
-                return
+                continue
             if not ready:
                 self._server_gone(f"triton: model {self.config.model_name!r} is not ready")
-                return
+            elif self._health is HealthState.UNAVAILABLE:
+                await self._server_back()
+
+    async def _server_back(self) -> None:
+        """The model is ready again: serve again if its interface is the same, else DEAD."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            config = await self._client.get_model_config(self.config.model_name, as_json=True)
+        except InferenceServerException as e:
+            log.info("triton_not_back_yet", detail=e.message())
+            return
+        interface = ModelInterface.from_config(config)
+        if interface != self._interface:
+            self._set_health(HealthState.DEAD, f"triton: model {self.config.model_name!r} came back with "
+                                               "another interface")
+            return
+        self.recoveries += 1
+        log.info("triton_server_back", url=self.config.url, recoveries=self.recoveries)
+        self._set_health(HealthState.SERVING)
 
     def load(self) -> LoadSnapshot:
         return LoadSnapshot(

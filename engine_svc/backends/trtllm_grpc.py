@@ -14,11 +14,16 @@ request on one channel; the messages are those of the published `smg-grpc-proto`
 - Failures: a call that fails mid-stream fails its request with the reason its status maps to; a
   status that says the server is gone (UNAVAILABLE, or CANCELLED by the server) — or a HealthCheck
   that fails or answers anything but "OK" — ends every live request with ENGINE_UNAVAILABLE
-  (retryable: the router tries another replica) and marks the backend DEAD, so the service reports
-  NOT_SERVING instead of hanging. The contract's DEAD is final: the process is restarted.
+  (retryable: the router tries another replica) and marks the backend UNAVAILABLE, so the service
+  reports NOT_SERVING instead of hanging. The health probe goes on; when the server answers "OK"
+  again (and reports the same model) the backend serves again: a restarted `trtllm-serve` needs no
+  restart of this process. A server back with another model, or no probe (`health_interval` 0),
+  makes it DEAD (final: the process is restarted).
 - KV events: one ``SubscribeKvEvents`` stream, resubscribed from the next sequence number when it
   breaks, mapped to the contract's events (`KvEventMapper`); the load record each batch carries
-  feeds `iteration_stats()`.
+  feeds `iteration_stats()`. After the server was unavailable it is followed afresh from sequence 0
+  (a restarted server numbers from the start and its cache is empty; the router's subscriptions
+  were ended and it rebuilds the replica's entry).
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ class TrtllmGrpcBackend(Backend):
         self._counter = 0
         self._max_active = config.max_batch_size or 256
         self._load: Any = None   # the latest EngineLoad record of the KV event stream
+        self._info: tuple[int, int] = (0, 0)          # (max_seq_len, vocab_size) the server reported
+        self._back = asyncio.Event()                 # set each time the server serves again
+        self.recoveries = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generated_tokens_total = 0
@@ -90,6 +98,7 @@ class TrtllmGrpcBackend(Backend):
         self.model = cfg.model or info.model_id.rstrip("/").rsplit("/", 1)[-1] or "trtllm"
         self.max_context = int(info.max_seq_len)
         self.vocab_size = int(info.vocab_size)
+        self._info = (self.max_context, self.vocab_size)
         self._max_active = cfg.max_batch_size or int(info.max_batch_size) or 256
         if cfg.health_interval > 0:
             self._tasks.spawn(self._watch_health(), "trtllm-grpc-health")
@@ -109,7 +118,7 @@ class TrtllmGrpcBackend(Backend):
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
-        if self._health is HealthState.DEAD or self._stub is None:
+        if self._health is not HealthState.SERVING or self._stub is None:
             raise Reason.ENGINE_UNAVAILABLE.error(f"trtllm-grpc server unavailable: {self._health_detail}")
         self._counter += 1
         live = _Live(request.request_id, f"{request.request_id}#{self._counter}", sink)
@@ -126,7 +135,7 @@ class TrtllmGrpcBackend(Backend):
         self._finish(live, GenerationEvent.cancelled(request_id))
         if live.task is not None:
             live.task.cancel()
-        if self._stub is not None and self._health is not HealthState.DEAD:
+        if self._stub is not None and self._health is HealthState.SERVING:
             self._tasks.spawn(self._send_abort(live.wire_id), "trtllm-grpc-abort")
         return True
 
@@ -192,15 +201,18 @@ class TrtllmGrpcBackend(Backend):
 
     # -- health -------------------------------------------------------------------------------
     def _server_gone(self, detail: str) -> None:
-        """The server is unreachable or unhealthy: fail everything live (retryable), then DEAD."""
-        if self._health is HealthState.DEAD:
+        """The server is unreachable or unhealthy: fail everything live (retryable), then
+        UNAVAILABLE while the probe runs (it brings the backend back), else DEAD."""
+        if self._health is not HealthState.SERVING:
             return
         log.warning("trtllm_grpc_server_gone", address=self.config.address, detail=detail, live=len(self._live))
         for live in list(self._live.values()):
             self._finish(live, GenerationEvent.failed(live.request_id, Reason.ENGINE_UNAVAILABLE, detail))
             if live.task is not None:
                 live.task.cancel()
-        self._set_health(HealthState.DEAD, detail)   # also ends the KV event subscriptions
+        self._back.clear()
+        # Either also ends the KV event subscriptions.
+        self._set_health(HealthState.UNAVAILABLE if self.config.health_interval > 0 else HealthState.DEAD, detail)
 
     async def _watch_health(self) -> None:
         request = self._wire.pb.HealthCheckRequest()
@@ -210,22 +222,44 @@ class TrtllmGrpcBackend(Backend):
                 reply = await self._stub.HealthCheck(request, timeout=self.config.health_timeout)
             except grpc.aio.AioRpcError as e:
                 self._server_gone(f"trtllm-grpc HealthCheck {e.code().name}: {e.details()}")
-                return
+                continue
             if reply.status != "OK":
                 self._server_gone(f"trtllm-grpc HealthCheck: {reply.status}")
-                return
+            elif self._health is HealthState.UNAVAILABLE:
+                await self._server_back()
+
+    async def _server_back(self) -> None:
+        """The probe says OK again: serve again if it is the same model, else DEAD."""
+        try:
+            info = await self._stub.GetModelInfo(self._wire.pb.GetModelInfoRequest(),
+                                                 timeout=self.config.health_timeout)
+        except grpc.aio.AioRpcError as e:
+            log.info("trtllm_grpc_not_back_yet", code=e.code().name, detail=e.details())
+            return
+        if (int(info.max_seq_len), int(info.vocab_size)) != self._info:
+            self._set_health(HealthState.DEAD, f"the server came back with another model ({info.model_id!r}, "
+                                               f"max_seq_len {info.max_seq_len}, vocab {info.vocab_size})")
+            return
+        self.recoveries += 1
+        log.info("trtllm_grpc_server_back", address=self.config.address, recoveries=self.recoveries)
+        self._set_health(HealthState.SERVING)
+        self._back.set()
 
     # -- KV events and load -------------------------------------------------------------------
     async def _follow_kv_events(self) -> None:
-        mapper = KvEventMapper()
+        mapper, seen = KvEventMapper(), self.recoveries
         while self._health is not HealthState.DEAD:
+            if self.recoveries != seen:          # a server back from unavailable: follow it afresh
+                mapper, seen = KvEventMapper(), self.recoveries
             start = 0 if mapper.last_sequence is None else mapper.last_sequence + 1
             try:
                 async for batch in self._stub.SubscribeKvEvents(self._wire.kv_subscribe_request(start)):
                     if batch.HasField("load"):
                         self._load = batch.load
                     self.publish_kv_events(mapper.batch(batch))
-                return  # the server ended the stream: it publishes no more
+                # The server ended the stream: it publishes no more, unless it goes away and comes back.
+                await self._back_again(seen)
+                continue
             except grpc.aio.AioRpcError as e:
                 if e.code() is grpc.StatusCode.UNIMPLEMENTED:
                     log.info("trtllm_grpc_no_kv_events", detail=e.details())
@@ -235,11 +269,20 @@ class TrtllmGrpcBackend(Backend):
                     log.warning("trtllm_grpc_kv_events_failed", code=e.code().name, detail=e.details())
                     return
                 # UNAVAILABLE: a Generate call or the health probe decides whether the server is gone;
-                # resubscribe once the channel is ready again.
+                # resubscribe once the channel is ready again (and, if it was gone, once it serves).
                 if self._channel is None:
                     return
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._channel.channel_ready(), self.config.connect_timeout)
+                if self._health is HealthState.UNAVAILABLE:
+                    await self._back_again(seen)
+
+    async def _back_again(self, seen: int) -> None:
+        """Wait until the server has come back since recovery number `seen` (DEAD: never)."""
+        while self.recoveries == seen and self._health is not HealthState.DEAD:
+            if self._health is HealthState.SERVING:
+                self._back.clear()
+            await self._back.wait()
 
     def load(self) -> LoadSnapshot:
         active = len(self._live)

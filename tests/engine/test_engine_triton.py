@@ -182,7 +182,7 @@ async def test_no_server_at_start_is_one_clear_error() -> None:
 
 
 @pytest.mark.slow
-async def test_the_server_going_away_fails_requests_retryably_and_health_says_so(
+async def test_the_server_going_away_fails_requests_retryably_and_a_restarted_one_is_served_again(
         python: str, tmp_path: pathlib.Path) -> None:
     server = start_server(python, tmp_path)   # its own server: this test stops it
     engine = TritonBackend(config(server.url, health_interval=0.05))
@@ -195,10 +195,20 @@ async def test_the_server_going_away_fails_requests_retryably_and_health_says_so
         await sink.wait("r", timeout=30)
         assert sink.last("r").error_reason == Reason.ENGINE_UNAVAILABLE, sink.last("r").error_message[-600:]
         assert Reason.ENGINE_UNAVAILABLE.retryable
-        await poll(lambda: engine.health() is HealthState.DEAD, what="health DEAD")
+        await poll(lambda: engine.health() is HealthState.UNAVAILABLE, what="health UNAVAILABLE")
         with pytest.raises(Exception) as refused:
             engine.submit(req("r2", [1], max_tokens=1), sink)
         assert getattr(refused.value, "reason", "") == Reason.ENGINE_UNAVAILABLE
+        # The server restarts on its address: the backend serves again by itself (no restart here).
+        port = int(server.url.rsplit(":", 1)[1])
+        (tmp_path / "again").mkdir()
+        server = await asyncio.to_thread(start_server, python, tmp_path / "again", 120.0, port)
+        await poll(lambda: engine.health() is HealthState.SERVING, timeout=30, what="serving again")
+        assert engine.recoveries == 1
+        engine.submit(req("r3", [40], max_tokens=3), sink)
+        await sink.wait("r3", timeout=30)
+        assert sink.last("r3").finish_reason is not FinishReason.ERROR, sink.last("r3").error_message
+        assert len(sink.tokens("r3")) == 3
     finally:
         await engine.close()
         server.stop()

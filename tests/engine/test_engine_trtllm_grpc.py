@@ -151,10 +151,12 @@ async def test_the_server_going_away_fails_requests_retryably_and_health_says_so
         await backend.close()
 
 
-async def test_an_unhealthy_health_check_marks_the_backend_dead(fake: Any) -> None:
+async def test_an_unhealthy_health_check_makes_the_backend_unavailable_until_it_is_ok_again(fake: Any) -> None:
     service, _, address = fake
     service.step = 0.005
     backend = await started(address, health_interval=0.01)
+    changes: list[HealthState] = []
+    backend.health_listener = changes.append
     try:
         sink = Collector()
         backend.submit(req("r", [1], max_tokens=10_000), sink)
@@ -162,9 +164,66 @@ async def test_an_unhealthy_health_check_marks_the_backend_dead(fake: Any) -> No
         service.health_status = "RuntimeError: executor died"
         await sink.wait("r")
         assert sink.last("r").error_reason == Reason.ENGINE_UNAVAILABLE
-        assert backend.health() is HealthState.DEAD and "executor died" in backend.health_detail
+        assert backend.health() is HealthState.UNAVAILABLE and "executor died" in backend.health_detail
+        with pytest.raises(Exception) as refused:
+            backend.submit(req("r2", [2], max_tokens=1), sink)
+        assert getattr(refused.value, "reason", "") == Reason.ENGINE_UNAVAILABLE
+        service.health_status = "OK"
+        await poll(lambda: backend.health() is HealthState.SERVING, what="serving again")
+        assert changes == [HealthState.UNAVAILABLE, HealthState.SERVING] and backend.health_detail == ""
+        backend.submit(req("r3", [3], max_tokens=4), sink)
+        await sink.wait("r3")
+        assert sink.tokens("r3") == expected([3], 4)
     finally:
         await backend.close()
+
+
+async def test_a_restarted_server_is_served_again_and_its_kv_events_followed_from_the_start() -> None:
+    """The server process goes away and comes back on its address (a restarted trtllm-serve): live
+    requests fail retryably, the backend is UNAVAILABLE (never DEAD), then serves again by itself,
+    and follows the new server's KV events from sequence 0 (its subscribers were ended). A server
+    back with another model makes it DEAD."""
+    first = FakeTrtllmService(step=0.005)
+    server, address = await start_fake(first)
+    port = int(address.rsplit(":", 1)[1])
+    backend = await started(address, kv_events=True, health_interval=0.02, health_timeout=0.5, connect_timeout=10.0)
+    second, third = FakeTrtllmService(), FakeTrtllmService()
+    restarted = again = None
+    try:
+        subscription = backend.kv_events()
+        first.kv_batches.put_nowait(first.stored(1, None, (21, [1, 2])))
+        batch, _ = await asyncio.wait_for(anext(aiter(subscription)), 10)
+        assert [e.type for e in batch] == [KvEventType.STORED]
+        sink = Collector()
+        backend.submit(req("r1", [1], max_tokens=10_000), sink)
+        await poll(lambda: sink.count("r1"), what="streaming")
+        first.kv_batches.put_nowait(None)
+        await server.stop(0)
+        await sink.wait("r1")
+        assert sink.last("r1").error_reason == Reason.ENGINE_UNAVAILABLE
+        await poll(lambda: backend.health() is HealthState.UNAVAILABLE, what="unavailable")
+        assert [b async for b in subscription] == []           # the subscription was ended
+        restarted, _ = await start_fake(second, port=port)
+        await poll(lambda: backend.health() is HealthState.SERVING, timeout=10, what="serving again")
+        await poll(lambda: second.kv_subscriptions, what="the new server followed")
+        assert second.kv_subscriptions == [0] and backend.recoveries == 1
+        backend.submit(req("r2", [5], max_tokens=3), sink)
+        await sink.wait("r2")
+        assert sink.tokens("r2") == expected([5], 3)
+        second.kv_batches.put_nowait(None)
+        await restarted.stop(0)
+        restarted = None
+        await poll(lambda: backend.health() is HealthState.UNAVAILABLE, what="unavailable again")
+        third.max_seq_len = 8192
+        again, _ = await start_fake(third, port=port)
+        await poll(lambda: backend.health() is HealthState.DEAD, timeout=10, what="dead: another model")
+        assert "another model" in backend.health_detail
+    finally:
+        await backend.close()
+        for service, srv in ((second, restarted), (third, again)):
+            service.kv_batches.put_nowait(None)
+            if srv is not None:
+                await srv.stop(0)
 
 
 async def test_kv_events_map_to_the_contract(fake: Any) -> None:

@@ -55,3 +55,51 @@ async def test_the_engine_service_streams_from_trtllm_serve_and_reports_it_gone(
         await server.stop(0)
         await engine.close()
         await fake.stop(0)
+
+
+async def test_a_restarted_trtllm_serve_makes_the_service_serve_again_without_a_restart() -> None:
+    """With the health probe on, the server going away is UNAVAILABLE (NOT_SERVING, GetLoad says so,
+    submits refused retryably), and its return on the same address is SERVING again, in place."""
+    from services.proto.tokenrelay.v1 import engine_pb2
+
+    service = FakeTrtllmService()
+    fake, address = await start_fake(service)
+    settings = EngineSettings(backend="trtllm-grpc", port=0, trtllm_grpc={
+        "address": address, "health_interval": 0.02, "health_timeout": 0.5, "kv_events": False})
+    engine, server = await start_engine(settings)
+    channel = open_channel(server.address)
+    again = None
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        stub = engine_pb2_grpc.EngineStub(channel)
+
+        async def status() -> int:
+            return int((await health.Check(health_pb2.HealthCheckRequest(service=""))).status)
+
+        async def is_(wanted: int) -> bool:
+            return await status() == wanted
+
+        await fake.stop(0)
+        await poll(lambda: is_(health_pb2.HealthCheckResponse.NOT_SERVING), what="NOT_SERVING")
+        load = await stub.GetLoad(engine_pb2.LoadRequest())
+        assert load.health == engine_pb2.ENGINE_HEALTH_UNAVAILABLE and load.draining
+        refused = StreamClient(stub)
+        refused.submit(engine_request("x", [1], max_tokens=2))
+        await refused.wait("x")
+        assert refused.last("x").error_reason == Reason.ENGINE_UNAVAILABLE
+        refused.cancel()
+        again, _ = await start_fake(FakeTrtllmService(), port=int(address.rsplit(":", 1)[1]))
+        await poll(lambda: is_(health_pb2.HealthCheckResponse.SERVING), timeout=10, what="SERVING again")
+        load = await stub.GetLoad(engine_pb2.LoadRequest())
+        assert load.health == engine_pb2.ENGINE_HEALTH_SERVING and not load.draining
+        client = StreamClient(stub)
+        client.submit(engine_request("a", [1, 2, 3], max_tokens=4))
+        await client.wait("a")
+        assert client.tokens("a") == [4, 5, 6, 7] and client.last("a").finished
+        client.cancel()
+    finally:
+        await channel.close()
+        await server.stop(0)
+        await engine.close()
+        if again is not None:
+            await again.stop(0)

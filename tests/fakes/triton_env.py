@@ -83,16 +83,18 @@ class TritonProcess:
                 pass
 
 
-def start_server(python: str, workdir: pathlib.Path, timeout: float = 120.0) -> TritonProcess:
-    """Start the fake Triton server; returns once its models are loaded (raises with its log otherwise)."""
+def start_server(python: str, workdir: pathlib.Path, timeout: float = 120.0, port: int = 0) -> TritonProcess:
+    """Start the fake Triton server (on gRPC `port`, default a free one); returns once its models are
+    loaded (raises with its log otherwise)."""
     libdir = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
                             capture_output=True, text=True, check=True).stdout.strip()
     env = dict(os.environ)
     # The bundled Python stub links the system libpython; point it at this interpreter's own.
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     port_file, log = workdir / "triton.port", workdir / "triton.log"
+    port_file.unlink(missing_ok=True)
     with log.open("wb") as out:
-        process = subprocess.Popen([python, str(SERVER), "--port-file", str(port_file),
+        process = subprocess.Popen([python, str(SERVER), "--port-file", str(port_file), "--grpc-port", str(port),
                                     "--workspace", str(workdir / "workspace")], stdout=out,
                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.monotonic() + timeout

@@ -108,8 +108,10 @@ def main() -> None:
     parser.add_argument("--port-file", required=True, type=pathlib.Path)
     parser.add_argument("--workspace", type=pathlib.Path, help="PyTriton's workspace (default: a new one "
                                                                "under ~/.cache/pytriton)")
+    parser.add_argument("--grpc-port", type=int, default=0, help="gRPC port (default: a free one); a restart "
+                                                                 "on the same port is a restarted server")
     args = parser.parse_args()
-    grpc_port = _free_port()
+    grpc_port = args.grpc_port or _free_port()
     config = TritonConfig(grpc_port=grpc_port, grpc_address="127.0.0.1", http_port=_free_port(),
                           http_address="127.0.0.1", allow_metrics=False, log_verbose=0, exit_timeout_secs=1)
     scalar_i32 = ("input_lengths", "request_output_len", "end_id", "pad_id", "beam_width", "runtime_top_k")

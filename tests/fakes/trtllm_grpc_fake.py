@@ -30,6 +30,7 @@ class FakeTrtllmService(trtllm_service_pb2_grpc.TrtllmServiceServicer):
         self.pb, self.pb_grpc, self.common = trtllm_service_pb2, trtllm_service_pb2_grpc, common_pb2
         self.step = step
         self.health_status = "OK"
+        self.max_seq_len = 4096          # GetModelInfo's (another value: "another model")
         self.requests: list[Any] = []
         self.aborts: list[str] = []
         self.cancelled: list[str] = []
@@ -90,7 +91,7 @@ class FakeTrtllmService(trtllm_service_pb2_grpc.TrtllmServiceServicer):
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return self.pb.GetModelInfoResponse(model_id="/models/fake-llama-8b", max_input_len=2048,
-                                            max_seq_len=4096, max_batch_size=8, vocab_size=VOCAB)
+                                            max_seq_len=self.max_seq_len, max_batch_size=8, vocab_size=VOCAB)
 
     async def SubscribeKvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if self.kv_unimplemented:

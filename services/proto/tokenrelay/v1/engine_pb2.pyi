@@ -14,6 +14,7 @@ class EngineHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_HEALTH_SERVING: _ClassVar[EngineHealth]
     ENGINE_HEALTH_DRAINING: _ClassVar[EngineHealth]
     ENGINE_HEALTH_DEAD: _ClassVar[EngineHealth]
+    ENGINE_HEALTH_UNAVAILABLE: _ClassVar[EngineHealth]
 
 class KvEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ ENGINE_HEALTH_UNSPECIFIED: EngineHealth
 ENGINE_HEALTH_SERVING: EngineHealth
 ENGINE_HEALTH_DRAINING: EngineHealth
 ENGINE_HEALTH_DEAD: EngineHealth
+ENGINE_HEALTH_UNAVAILABLE: EngineHealth
 KV_EVENT_TYPE_UNSPECIFIED: KvEventType
 KV_EVENT_STORED: KvEventType
 KV_EVENT_REMOVED: KvEventType
