@@ -168,19 +168,28 @@ async def closed_loop(phase: Phase, send: Send, timeout: float, limit: float = 1
 
 
 # ------------------------------------------------------------------------------ in process
-def inproc_sender(engine: Any) -> Send:
+def inproc_sender(engine: Any, stagger: Callable[[], float] = lambda: 0.0) -> Send:
+    """`stagger()`: seconds; when above 0, request i waits (i mod 3) x that before its submit (its
+    TTFT clock starts after the wait), so that a closed loop's wave reaches the engine in three
+    parts, as a wave through three routers does."""
     from engine_svc.backends.base import FinishReason, GenerationEvent, GenerationRequest
 
     async def send(rid: str, ids: list[int], max_tokens: int, rec: Record) -> None:
+        if stagger() > 0 and rec.index % 3:
+            await asyncio.sleep(stagger() * (rec.index % 3))
+            rec.start = time.perf_counter()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ended = False
 
         def sink(event: GenerationEvent) -> None:
+            nonlocal ended
             if event.token_ids:
                 if rec.first is None:
                     rec.first = time.perf_counter()
                     rec.cached = event.cached_tokens
                 rec.tokens += len(event.token_ids)
             if event.finished:
+                ended = True
                 if event.finish_reason is FinishReason.ERROR or event.finish_reason is FinishReason.CANCELLED:
                     rec.error = event.error_reason or event.finish_reason.value
                 if not done.done():
@@ -191,7 +200,11 @@ def inproc_sender(engine: Any) -> Send:
         try:
             await done
         finally:
-            if not done.done():   # timed out or cancelled: free its slot
+            # Timed out or cancelled (the phase's limit): abort it, or it runs on in the engine and
+            # holds a batch slot through the next phase. Not `done.done()`: cancelling this task
+            # cancels `done` too, so that test was always true and nothing was aborted (the 256-stream
+            # in-process phases on the H200 left 256 requests running into the mesh phase).
+            if not ended:
                 engine.abort([rid])
 
     return send
@@ -218,22 +231,30 @@ async def host(args: argparse.Namespace, engine_argv: list[str]) -> int:
     (control / "engine.json").write_text(json.dumps({"vocab": vocab, "load_s": load_s, "port": server.port,
                                                       "max_context": load.max_context}) + "\n")
     write_port_file(args.port_file, server.port)
-    send = inproc_sender(engine)
+    stagger = 0.0
+    send = inproc_sender(engine, lambda: stagger)
+    runs: dict[int, int] = {}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # The shell asks for an in-process phase by writing inproc_N.go (its content: the phase's seconds
-    # limit); the result is inproc_N.json. Polled every 50 ms: nothing else runs here meanwhile.
+    # limit, optionally then a stagger in ms: see inproc_sender); the result is inproc_N.json.
+    # Polled every 50 ms: nothing else runs here meanwhile.
     while not stop.is_set():
         for go in sorted(control.glob("inproc_*.go")):
             streams = int(go.stem.split("_")[1])
-            limit = float(go.read_text().strip() or "1e9")
+            words = go.read_text().split()
+            limit = float(words[0]) if words else 1e9
+            stagger = float(words[1]) / 1000 if len(words) > 1 else 0.0
             go.unlink()
+            k = runs[streams] = runs.get(streams, -1) + 1   # a repeated phase gets new prompts (no cache hits)
             phase = Phase("inproc", streams, requests_for(args, streams), args.prompt, args.output,
-                          seed=args.seed + streams, vocab=vocab)
+                          seed=args.seed + streams + 100_000 * k, vocab=vocab)
+            live_before = await idle(engine, 60.0)   # what an earlier gRPC phase left (its aborts in transit)
             row = await closed_loop(phase, send, args.timeout, limit)
-            row.update(engine_load_s=load_s, engine_live_after=engine.live)
+            row.update(engine_load_s=load_s, engine_live_before=live_before, engine_live_after=engine.live,
+                       stagger_ms=stagger * 1000)
             tmp = control / f"inproc_{streams}.json.tmp"
             tmp.write_text(json.dumps(row, indent=1) + "\n")
             tmp.replace(control / f"inproc_{streams}.json")
@@ -244,6 +265,16 @@ async def host(args: argparse.Namespace, engine_argv: list[str]) -> int:
     await server.stop(5)
     await engine.close()
     return 0
+
+
+async def idle(engine: Any, limit: float) -> int:
+    """Wait (at most `limit` seconds) until no request is live in the engine; returns how many were
+    live on entry. A phase must start on an idle engine: leftovers hold batch slots and KV blocks."""
+    live = engine.live
+    deadline = time.monotonic() + limit
+    while engine.live and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return live
 
 
 def requests_for(args: argparse.Namespace, streams: int) -> int:

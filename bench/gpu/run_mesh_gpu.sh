@@ -18,6 +18,8 @@
 #
 #   bash bench/gpu/run_mesh_gpu.sh                      # on the H200 (carried .whl, .whl-hf, .r4dev)
 #   MODE=tiny bash bench/gpu/run_mesh_gpu.sh            # CPU dry run: 2-layer model, N = 1 4
+#   (STREAMS, PROMPT, OUTPUT, PER_STREAM, PHASE_LIMIT, HF_FLAGS, ... override the mode's defaults;
+#   ROUTER_FLAGS adds router flags, e.g. "--capacity-factor 2")
 #
 # Writes to $OUT: mesh_gpu.txt (versions, phase lines, table), mesh_gpu.json (every row), logs.tgz.
 set -uo pipefail
@@ -37,12 +39,12 @@ if [ "$MODE" = tiny ]; then
   STREAMS=${STREAMS:-"1 4"}; PROMPT=${PROMPT:-64}; OUTPUT=${OUTPUT:-16}; ROUTERS=${ROUTERS:-2}
   BUDGET=${BUDGET:-500}; PIN=${PIN:-0}; INSTALL=${INSTALL:-0}; PHASE_LIMIT=${PHASE_LIMIT:-60}
   M=$W/tiny; DEVICE=cpu; DTYPE=float32
-  HF_FLAGS="--hf-num-blocks 512 --hf-max-batch-tokens 256 --hf-max-batch-size 32 --hf-threads 1"
+  HF_FLAGS=${HF_FLAGS:-"--hf-num-blocks 512 --hf-max-batch-tokens 256 --hf-max-batch-size 32 --hf-threads 1"}
 else
   STREAMS=${STREAMS:-"1 16 64 256"}; PROMPT=${PROMPT:-512}; OUTPUT=${OUTPUT:-64}; ROUTERS=${ROUTERS:-3}
   BUDGET=${BUDGET:-500}; PIN=${PIN:-1}; INSTALL=${INSTALL:-1}; PHASE_LIMIT=${PHASE_LIMIT:-75}
   M=/tmp/llama8b; DEVICE=cuda; DTYPE=bfloat16
-  HF_FLAGS="--hf-num-blocks 8192 --hf-max-batch-tokens 8192 --hf-max-batch-size 256"
+  HF_FLAGS=${HF_FLAGS:-"--hf-num-blocks 8192 --hf-max-batch-tokens 8192 --hf-max-batch-size 256"}
 fi
 PER_STREAM=${PER_STREAM:-2}; MIN_REQUESTS=${MIN_REQUESTS:-4}
 # 16 cores: engine 0-5, redis 6, tokenizer 7, routers 8.., the load generator 12-15.
@@ -154,7 +156,7 @@ RPIDS=()
 for i in $(seq 0 $((ROUTERS - 1))); do
   $(pin "${RCPUS[$((i % ${#RCPUS[@]}))]}") python3 -m router_svc --tokenizers "$TOKENIZER" --engines "$ENGINE" \
     --redis-url "unix://$W/redis.sock" --tenants-file "$W/tenants.yaml" --engine-progress-timeout 120 \
-    --host 127.0.0.1 --port 0 --port-file "$W/router$i.port" --log-format console > "$W/router$i.log" 2>&1 &
+    --host 127.0.0.1 --port 0 --port-file "$W/router$i.port" --log-format console ${ROUTER_FLAGS:-} > "$W/router$i.log" 2>&1 &
   RPIDS+=($!); PIDS+=($!)
 done
 ROUTER_ADDRS=""
