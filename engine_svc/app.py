@@ -7,6 +7,7 @@ import asyncio
 
 from grpc_health.v1 import health_pb2
 
+from services import gcstats
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import get_logger
 from services.metrics import start_metrics_server
@@ -86,10 +87,12 @@ async def serve(settings: EngineSettings) -> None:
         raise SystemExit(f"engine_svc: cannot start: {exc}") from exc
     registration: Registration | None = None
     try:
+        frozen = gcstats.settle()   # startup's objects (the model's included) out of the collector's way
         write_port_file(settings.server.port_file, server.port)
         registration = await register(settings, engine, server)
         load = engine.load()
-        log.info("listening", address=server.address, metrics_port=metrics_port, backend=load.backend,
+        log.info("listening", address=server.address, metrics_port=metrics_port, gc_frozen=frozen,
+                 backend=load.backend,
                  model=load.model, max_context=load.max_context, max_active=load.max_active)
         await wait_for_shutdown_signal()
         log.info("shutting_down", live=engine.live)

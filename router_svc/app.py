@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from services import gcstats
 from services.errors import TokenrelayError
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import get_logger
@@ -130,8 +131,9 @@ async def serve(settings: RouterSettings) -> None:
         gate.probe_server(AcceptProbe(server.address, settings.security))   # the wait loop lag cannot see
         metrics_port = start_metrics_server(settings.server.host, telemetry.metrics_port)
         write_port_file(telemetry.metrics_port_file, metrics_port)
+        frozen = gcstats.settle()   # startup's objects out of the collector's way (services/gcstats.py)
         write_port_file(settings.server.port_file, server.port)
-        log.info("listening", address=server.address, metrics_port=metrics_port,
+        log.info("listening", address=server.address, metrics_port=metrics_port, gc_frozen=frozen,
                  tenants=len(tenants.registry.tenants), engines=upstreams.engines, tokenizers=upstreams.tokenizers)
         await wait_for_shutdown_signal()
         log.info("shutting_down", in_flight=router.in_flight)

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 
+from services import gcstats
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import get_logger
 from services.metrics import start_metrics_server
@@ -109,6 +110,7 @@ async def serve(settings: TokenizerSettings) -> None:
     except (ValueError, OSError) as exc:  # bad files or template, port taken: say so, no traceback
         await app.stop()
         raise SystemExit(f"tokenizer_svc: cannot start: {exc}") from exc
+    log.info("gc_settled", frozen=gcstats.settle())   # the tokenizer's objects out of the collector's way
     await wait_for_shutdown_signal()
     log.info("tokenizer_shutting_down")
     await app.stop()
