@@ -66,6 +66,7 @@ class Phase:
     completed: int = 0
     ttft: list[float] = field(default_factory=list)
     refusals: list[float] = field(default_factory=list)   # seconds from call to status
+    client_lag: list[float] = field(default_factory=list)  # this process's own loop lag, 5 ms ticks
     other_errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -106,8 +107,15 @@ async def _run(client: Client, clients: int, seconds: float) -> Phase:
             except Exception as exc:  # noqa: BLE001 - counted and reported
                 phase.other_errors.append(getattr(exc, "reason", repr(exc)))
 
+    async def lag() -> None:
+        # The client's share of a refusal's time: how late its own loop runs a 5 ms timer.
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            phase.client_lag.append(time.perf_counter() - t - 0.005)
+
     t0 = time.monotonic()
-    await asyncio.gather(*(one() for _ in range(clients)))
+    await asyncio.gather(lag(), *(one() for _ in range(clients)))
     phase.seconds = time.monotonic() - t0
     return phase
 
@@ -116,7 +124,9 @@ def _line(name: str, p: Phase) -> str:
     return (f"{name}: {p.completed} ok in {p.seconds:.1f}s = {p.goodput:.1f} req/s, TTFT p50/p99 "
             f"{_pct(p.ttft, 50) * 1000:.1f}/{_pct(p.ttft, 99) * 1000:.1f} ms; {len(p.refusals)} refused, "
             f"time-to-status p50/p99/max {_pct(p.refusals, 50) * 1000:.2f}/{_pct(p.refusals, 99) * 1000:.2f}/"
-            f"{max(p.refusals, default=float('nan')) * 1000:.2f} ms; other errors {p.other_errors[:5]}")
+            f"{max(p.refusals, default=float('nan')) * 1000:.2f} ms; client loop lag p50/p99/max "
+            f"{_pct(p.client_lag, 50) * 1000:.2f}/{_pct(p.client_lag, 99) * 1000:.2f}/"
+            f"{max(p.client_lag, default=float('nan')) * 1000:.2f} ms; other errors {p.other_errors[:5]}")
 
 
 def _holds(base: Phase, over: Phase) -> bool:
