@@ -17,7 +17,7 @@ _PRIORITY_NAMES = {"low": 1, "normal": 2, "high": 3}
 @dataclass(frozen=True)
 class QueueClass:
     name: str
-    min_share: float      # of recently granted tokens, while backlogged (0 = strict priority only)
+    min_share: float      # of the tokens granted while it waited (0 = strict priority only)
     max_queued: int       # requests of this class waiting, pool-wide
 
 
@@ -52,7 +52,7 @@ class AdmissionSettings(Section):
     queue_classes: str = Field(
         "interactive:0:4096,standard:0.1:4096,batch:0.05:4096",
         description="priority classes, highest first, as name:min_share:max_queued. Strict priority, except "
-                    "that a backlogged class below min_share of the recently granted tokens goes first (so "
+                    "that a backlogged class below min_share of the tokens granted while it waited goes first (so "
                     "it is slowed, never starved); max_queued bounds the class's queue, pool-wide")
     priority_classes: str = Field("high=interactive,normal=standard,low=batch",
                                   description="the class of each request priority (low, normal, high)")

@@ -17,7 +17,11 @@ Layout (prefix ``tq:{pool}:``, one hash tag, so one Redis Cluster slot; KEYS[1] 
     park           ZSET  tenants waiting for their token budget, by when it allows their head
     tat:<T>        STR   tenant T's GCRA theoretical arrival time (ms), tokens per minute
     fin:<c>        HASH  tenant -> virtual finish tag in class c;  vt:<c> STR the class's virtual time
-    srv            HASH  tokens granted per class, decayed (half-life 10 s), ts = last decay
+    srv            HASH  per class c: c (tokens granted to c from its queue) and w:c (tokens granted
+                         to any class while c was queued), decayed (half-life 10 s); ts = last decay
+    hold           ZSET  held slots "T:tag" by expiry (they count as taken); hd:<T> ZSET the
+                         tenant's; T = "#<class>" for a slot held for a class (priority hold)
+    qts:<c>        STR   when a request of class c last had to queue or took a slot held for c (ms)
     qcost          HASH  tenant -> estimated tokens queued
     stats          HASH  svc (EWMA lease seconds x1000), n (samples)
     cap            STR   the pool's capacity in requests, as the last caller saw its engines
@@ -28,9 +32,23 @@ Fair queuing is start-time fair queuing over estimated tokens (prompt + max_toke
 a request of tenant T gets S = max(V, F_T), F_T = S + cost / weight; the ready tenant with the
 lowest head S is served and V becomes that S. An idle tenant's F_T falls behind V, so it banks
 no credit; settling a request corrects F_T (and the token budget) by actual - estimated tokens.
-Between classes: strict priority, except that a backlogged class below its minimum share of the
-recently granted tokens goes first. A lease counts until settled or expired; any script reaps
-what expired before it acts, then dispatches while the pool has room.
+Between classes: strict priority, except that a backlogged class below its minimum share goes
+first. Its share is its tokens granted from the queue over the tokens granted (to any class) while
+it waited (w:c): it banks no deficit from before it asked, and no surplus from what it took at once
+while the pool had room. The minimum share is a floor; the priority hold keeps a lower class near
+it (not at a multiple of it) while a higher class wants every slot. With a hold time (ARGV[2]'s
+HOLD), a slot a SETTLE frees that its tenant does not keep (the slot hold: below its fair share,
+or above every queued class) and that the dispatch would give to a class below H is held for class
+H instead, where H is the highest class that had to queue (or took a slot held for it) within the
+last max(2 x mean lease, 10 x HOLD) ms and has nothing queued now (its clients are between
+requests), while every queued lower class has MARGIN (1.2) x its minimum share or more. Any tenant
+of H takes it on ENQUEUE's fast path; one of H that must queue anyway hands it back to the
+dispatch; unused, it expires after HOLD and goes to the queue. No hold of either kind is given
+while a queued lower class is under MARGIN x its minimum share. Without the priority hold the
+work-conserving dispatch gave a batch class every slot that freed while the interactive clients
+were between requests, each for a whole lease.
+A lease counts until settled or expired; any script reaps what expired before it acts, then
+dispatches while the pool has room.
 
 ARGV of every script: [1] classes "name,min_share,max_queued;..." highest priority first,
 [2] the caller's view of the pool capacity ("" = the stored one), [3] the caller's router id,
@@ -145,21 +163,40 @@ local function est_wait(n)        -- ms for n requests ahead to be served, -1 = 
   return math.floor(n * tonumber(st[1]) / CAP)
 end
 
+-- The minimum share is measured over the recently granted tokens (decayed, half-life 10 s): per class
+-- c its tokens granted from the queue (srv c) against the tokens of every class granted while c was
+-- waiting (srv w:c). So a class banks no deficit (what others got before it asked does not count)
+-- and no surplus (what it took at once while the pool had room does not count either).
+local MARGIN = 1.2     -- the holds stop when a queued lower class falls under MARGIN x its share
 local function decay()
   local ts = tonumber(redis.call('HGET', P .. 'srv', 'ts') or NOW)
   local f = 0.5 ^ ((NOW - ts) / 10000)
-  local vals = {}
+  local vals, base = {}, {}
   for _, c in ipairs(CLASSES) do
-    vals[c] = tonumber(redis.call('HGET', P .. 'srv', c) or '0') * f
-    redis.call('HSET', P .. 'srv', c, vals[c])
+    local v = redis.call('HMGET', P .. 'srv', c, 'w:' .. c)
+    vals[c], base[c] = tonumber(v[1] or '0') * f, tonumber(v[2] or '0') * f
+    redis.call('HSET', P .. 'srv', c, vals[c], 'w:' .. c, base[c])
   end
   redis.call('HSET', P .. 'srv', 'ts', NOW)
-  return vals
+  return vals, base
 end
 
-local function credit(c, tokens)  -- tokens granted (or corrected) in class c
-  local v = tonumber(redis.call('HGET', P .. 'srv', c) or '0') + tokens
-  redis.call('HSET', P .. 'srv', c, math.max(v, 0))
+local function below_share(c, served, base, margin)     -- (a class never served yet is below)
+  return SHARE[c] > 0 and (served[c] <= 0 or served[c] < SHARE[c] * (margin or 1) * base[c])
+end
+
+-- tokens granted (or corrected) in class c; queued: granted from the queue (not on the fast path)
+local function credit(c, tokens, queued)
+  if queued then
+    local v = tonumber(redis.call('HGET', P .. 'srv', c) or '0') + tokens
+    redis.call('HSET', P .. 'srv', c, math.max(v, 0))
+  end
+  for _, cc in ipairs(CLASSES) do
+    if SHARE[cc] > 0 and ((cc == c and queued) or (cc ~= c and redis.call('ZCARD', P .. 'cq:' .. cc) > 0)) then
+      local b = tonumber(redis.call('HGET', P .. 'srv', 'w:' .. cc) or '0') + tokens
+      redis.call('HSET', P .. 'srv', 'w:' .. cc, math.max(b, 0))
+    end
+  end
 end
 
 local function limits(T)
@@ -253,9 +290,16 @@ local function someone_queued()
   return false
 end
 
--- Only call it right before granting T: it may use up one of T's held slots.
-local function room_for(T, w)
-  if HOLD > 0 and take_hold(T) then return true end
+-- Only call it right before granting T a request of class c: it may use up one of T's held slots,
+-- or one held for its class (then c counts as having queued: it took a slot beyond those it held).
+local function room_for(T, w, c)
+  if HOLD > 0 then
+    if take_hold(T) then return true end
+    if take_hold('#' .. c) then
+      redis.call('SET', P .. 'qts:' .. c, NOW, 'PX', 600000)
+      return true
+    end
+  end
   local inflight = busy()
   if inflight < CAP then return true end
   return HEADROOM > 0 and inflight < CAP + HEADROOM and under_share(T, w)
@@ -271,7 +315,7 @@ local function grant(m, c, T, s)
   add_lease(m, T, w)
   redis.call('SET', P .. 'vt:' .. c, math.max(vtime(c), s))
   redis.call('HINCRBY', P .. 'qcost', T, -cost)
-  credit(c, cost)
+  credit(c, cost, true)
   notify(rec[2], m, fence, 'grant')
 end
 
@@ -281,12 +325,10 @@ local function choose()
     if redis.call('ZCARD', P .. 'ready:' .. c) > 0 then backlog[#backlog + 1] = c end
   end
   if #backlog <= 1 then return backlog[1] end
-  local served = decay()
-  local total = 0
-  for _, c in ipairs(CLASSES) do total = total + served[c] end
+  local served, base = decay()
   for i = #backlog, 2, -1 do     -- the lowest class first: one below its minimum share goes first
     local c = backlog[i]
-    if SHARE[c] > 0 and served[c] < SHARE[c] * total then return c end
+    if below_share(c, served, base) then return c end
   end
   return backlog[1]
 end
@@ -310,6 +352,41 @@ local function pick(inflight)
   return nil
 end
 
+-- Every one of these (queued) classes has its minimum share of the recently granted tokens and a
+-- fifth more (a margin: the holds stop before the class falls to its floor, which the dispatch keeps).
+local function at_share(lower)
+  local served, base = decay()
+  for _, cc in ipairs(lower) do
+    if below_share(cc, served, base, MARGIN) then return false end
+  end
+  return true
+end
+
+-- The priority hold: the class a freed slot is held for (any tenant of it may take it), or nil. It
+-- is the highest class that had to queue (or took a slot held for it) within the last two mean
+-- leases, at least ten hold times (it wants more slots than it holds), with nothing of it queued
+-- now (its clients are between requests), when a lower class is queued and every queued lower class
+-- has MARGIN x its minimum share. Without it the slot goes to the lower class for a whole lease
+-- whenever the higher one is between requests.
+local function priority_hold()
+  local window = math.max(2 * tonumber(redis.call('HGET', P .. 'stats', 'svc') or '0'), 10 * HOLD)
+  local H, lower = nil, {}
+  for _, c in ipairs(CLASSES) do
+    if redis.call('ZCARD', P .. 'cq:' .. c) > 0 then
+      if not H then return nil end          -- the dispatch serves this class anyway
+      lower[#lower + 1] = c
+    elseif not H and tonumber(redis.call('GET', P .. 'qts:' .. c) or '-1') >= NOW - window then
+      H = c
+    end
+  end
+  if H and #lower > 0 and at_share(lower) then return H end
+  return nil
+end
+
+-- Fences of the leases this call ended whose tenant keeps no slot (SETTLE fills it): each such slot
+-- the dispatch would give to a class below the priority hold's class is held for that class instead.
+local FREED = {}
+
 local function dispatch()
   local inflight = busy()
   local guard = 0
@@ -317,8 +394,13 @@ local function dispatch()
     guard = guard + 1
     local c, T, s = pick(inflight)
     if not c then break end
+    local H = nil
+    if #FREED > 0 and HOLD > 0 and inflight < CAP then H = priority_hold() end
     local _, m = head(c, T)
-    if not m then
+    if H and RANK[H] < RANK[c] then
+      give_hold('#' .. H, table.remove(FREED))
+      inflight = inflight + 1
+    elseif not m then
       redis.call('ZREM', P .. 'ready:' .. c, T)
     else
       local mi, _, tpm = limits(T)
@@ -394,6 +476,7 @@ local function insert(m, T, c, cost, dl, owner, nonce, w)
   redis.call('PERSIST', rk(m))
   redis.call('ZADD', P .. 'q:' .. c .. ':' .. T, seq, m)
   redis.call('ZADD', P .. 'cq:' .. c, seq, m)
+  redis.call('SET', P .. 'qts:' .. c, NOW, 'PX', 600000)
   local exp = NOW + TTL
   if dl > 0 and dl < exp then exp = dl end
   redis.call('ZADD', P .. 'qexp', exp, m)
@@ -416,7 +499,7 @@ local function grant_now(m, T, c, cost, dl, nonce, w)
   redis.call('HSET', rk(m), 'st', 'l', 't', T, 'c', c, 'cost', cost, 'S', s, 'seq', 0, 'dl', dl,
              'o', ME, 'n', nonce, 'f', fence, 'tg', NOW)
   add_lease(m, T, w)
-  credit(c, cost)
+  credit(c, cost, false)
   return fence
 end
 """
@@ -470,7 +553,7 @@ local function enqueue_one(A)
   -- The fast path: nothing queued in its class or above, room in the pool, the tenant within its
   -- limits: granted without being queued.
   if n_ahead == 0 and (tpm <= 0 or rate_new > 0) and redis.call('ZCARD', P .. 'tl:' .. T) < mi
-      and room_for(T, w) then
+      and room_for(T, w, c) then
     if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, rate_new, 'PX', 120000) end
     return {1, grant_now(m, T, c, cost, dl, nonce, w), 0}
   end
@@ -493,6 +576,8 @@ local function enqueue_one(A)
       grant(m, c, T, math.max(s, vtime(c)))
     end
   end
+  -- a slot held for its class is the queue's now: the dispatch gives it by the class policy
+  if HOLD > 0 and redis.call('HGET', rk(m), 'st') == 'q' then take_hold('#' .. c) end
   dispatch()
   local st = redis.call('HMGET', rk(m), 'st', 'f')
   local reply
@@ -544,18 +629,22 @@ local function outranks_queue(c)
       lower[#lower + 1] = cc
     end
   end
-  if #lower == 0 then return false end
-  local served = decay()
-  local total = 0
-  for _, cc in ipairs(CLASSES) do total = total + served[cc] end
-  for _, cc in ipairs(lower) do
-    if SHARE[cc] > 0 and served[cc] < SHARE[cc] * total then return false end
-  end
-  return true
+  return #lower > 0 and at_share(lower)
 end
 
+-- Every queued class below c is at its minimum share (and the margin): no hold of class c's may
+-- keep a lower class under its floor.
+local function lower_at_share(c)
+  local lower = {}
+  for _, cc in ipairs(CLASSES) do
+    if RANK[cc] > RANK[c] and redis.call('ZCARD', P .. 'cq:' .. cc) > 0 then lower[#lower + 1] = cc end
+  end
+  return #lower == 0 or at_share(lower)
+end
+
+
 local function settle_one(m, fence, actual, tpm, w)
-  local rec = redis.call('HMGET', rk(m), 'st', 'f', 'c', 'cost', 'tg')
+  local rec = redis.call('HMGET', rk(m), 'st', 'f', 'c', 'cost', 'tg', 'seq')
   local T = tenant_of(m)
   local status = 0
   if rec[1] == 's' then status = 3 end           -- settled already (a retry of a settle that did land)
@@ -564,7 +653,7 @@ local function settle_one(m, fence, actual, tpm, w)
     local fin = tonumber(redis.call('HGET', P .. 'fin:' .. rec[3], T) or '0')
     redis.call('HSET', P .. 'fin:' .. rec[3], T, fin + delta / w)
     charge(T, tpm, delta)
-    credit(rec[3], delta)
+    credit(rec[3], delta, tonumber(rec[6] or '0') > 0)
     if rec[1] == 'l' then
       local st = redis.call('HMGET', P .. 'stats', 'svc', 'n')
       local svc = tonumber(st[1] or '0')
@@ -573,9 +662,13 @@ local function settle_one(m, fence, actual, tpm, w)
       if n == 0 then svc = took else svc = svc * 0.9 + took * 0.1 end
       redis.call('HSET', P .. 'stats', 'svc', math.floor(svc), 'n', n + 1)
       end_lease(m, T)
-      if HOLD > 0 and tenant_queued(T) == 0 and someone_queued()
-          and (under_share(T, w) or outranks_queue(rec[3])) then
-        give_hold(T, fence)       -- between requests, below its share or above every queued class
+      if HOLD > 0 and someone_queued() then
+        if tenant_queued(T) == 0 and ((under_share(T, w) and lower_at_share(rec[3]))
+                                      or outranks_queue(rec[3])) then
+          give_hold(T, fence)     -- between requests, below its share or above every queued class
+        else
+          FREED[#FREED + 1] = fence
+        end
       end
       status = 1
     else
