@@ -18,7 +18,8 @@ the router's child spans and the other services' server spans of the same trace:
   ->engine           route end to the engine's span start (the submit over the multiplexed stream)
   engine prefill     the engine's span start to its first_token event
   ->router           the engine's first token to the router's prefill span end (the return hop)
-  detok+write        the router's first token to the first client delta (the Detokenize round trip)
+  detok+write        the router's first token to the first client delta (the Detokenize round trip),
+                     split at the tokenizer's first_tokens event into ->tokenizer and tokenizer->delta
 
 Clocks: all services on one host share the wall clock the spans use. Percentiles are over requests;
 the phases' p50s do not add up to the total's p50.
@@ -34,7 +35,8 @@ from collections import defaultdict
 from typing import Any
 
 PHASES = ("arrive->tokenize", "tokenize", "(tokenizer server)", "->admit", "admit", "->route", "route",
-          "->engine", "engine prefill", "->router", "detok+write", "router TTFT", "mesh part (TTFT - prefill)")
+          "->engine", "engine prefill", "->router", "detok+write", "(->tokenizer)", "(tokenizer->delta)",
+          "router TTFT", "mesh part (TTFT - prefill)")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -81,6 +83,11 @@ def breakdown(path: str) -> dict[str, list[float]]:
         out["engine prefill"].append((eng_first - eng["start"]) * ms)
         out["->router"].append((pre["end"] - eng_first) * ms)
         out["detok+write"].append((first - pre["end"]) * ms)
+        detok = by.get(("tokenizer_svc", "tokenizer.detokenize"))
+        applied = _event(detok, "first_tokens") if detok else None
+        if applied is not None:
+            out["(->tokenizer)"].append((applied - pre["end"]) * ms)
+            out["(tokenizer->delta)"].append((first - applied) * ms)
         out["router TTFT"].append((first - root["start"]) * ms)
         out["mesh part (TTFT - prefill)"].append((first - root["start"] - (eng_first - eng["start"])) * ms)
     return out

@@ -313,6 +313,8 @@ class DetokStream:
             req.end("error", Reason.INVALID_TOKEN_ID)
             return Output(rid, finished=True, tokens_consumed=req.consumed, error=Reason.INVALID_TOKEN_ID)
         before = req.consumed
+        if not before and item.token_ids:
+            req.span.add_event("first_tokens")   # when the request's first ids were applied (TTFT breakdown)
         try:
             out = _advance(rid, req, item.token_ids, item.final)
         except Exception:  # isolate one request's failure from the stream's others
