@@ -14,8 +14,9 @@ Per phase it reports admit (or baseline call) latency p50/p90/p99, the ratio of 
 p99 to the baseline's, settle latency, Redis round trips per request from `INFO commandstats`
 (evalsha + eval calls, less the heartbeat/reap calls the workers counted, which are shown apart
 as background calls per second), every command Redis ran per request (those inside the Lua
-included), Redis CPU and the workers' own CPU per request, the generator's lag (scheduled ->
-sent p99: large means the client could not keep the rate), the achieved rate and errors.
+included), Redis CPU and the workers' own CPU per request (x client: over the baseline's), the
+generator's lag (scheduled -> sent p99: large means the client could not keep the rate), the
+achieved rate and errors.
 
     python bench/bench_admission_cost.py --rates 1000,5000 --workers 2 --seconds 10 --cpu-list 0-2
     python bench/bench_admission_cost.py --rates 200,500 --seconds 5 --capacity 8 --json out.json
@@ -342,6 +343,8 @@ def measure(pool: Pool, server: RedisServer, args: argparse.Namespace) -> list[d
         base, adm = rows[-2], rows[-1]
         for what in ("admit", "settle"):
             adm[f"{what}_ratio"] = {p: _ratio(_at(adm[what], p), _at(base["admit"], p)) for p in ("p50", "p99")}
+        # The router-side cost: the client's CPU per admitted request against a bare EVALSHA's.
+        adm["client_cpu_ratio"] = _ratio(adm["client_cpu_us_per_request"], base["client_cpu_us_per_request"])
     return rows
 
 
@@ -364,7 +367,7 @@ def _x(v: float | None) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     header = ["rate/s", "phase", "achieved/s", "done", "err", "queued", "lag p99", "p50 ms", "p90", "p99",
               "x p50", "x p99", "settle p50", "p99", "x p50", "x p99", "RT/req", "scripts/req", "cmds/req",
-              "bg calls/s", "redis us/req", "client us/req"]
+              "bg calls/s", "redis us/req", "client us/req", "x client"]
     body = []
     for r in rows:
         a, s = r["admit"], r["settle"]
@@ -377,7 +380,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                      _ms(_at(s, "p50")), _ms(_at(s, "p99")), _x(sr.get("p50")), _x(sr.get("p99")),
                      f"{r['round_trips_per_request']:.3f}", f"{r['client_scripts_per_request']:.3f}",
                      f"{r['commands_per_request']:.1f}", f"{r['background_calls_per_s']:.1f}",
-                     f"{r['redis_cpu_us_per_request']:.0f}", f"{r['client_cpu_us_per_request']:.0f}"])
+                     f"{r['redis_cpu_us_per_request']:.0f}", f"{r['client_cpu_us_per_request']:.0f}",
+                     _x(r.get("client_cpu_ratio", 1.0))])
     return _table(header, body, left=2)
 
 
@@ -432,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     print("latencies in ms; x = ratio to the baseline's (bare EVALSHA) same percentile; RT/req = Redis round "
           "trips per request from INFO commandstats (background excluded); bg = heartbeat + reap calls; err = "
-          "refusals, exceptions, script failures, settles refused and leases a heartbeat found lost")
+          "refusals, exceptions, script failures, settles refused and leases a heartbeat found lost; x client = "
+          "client CPU per request over the baseline's")
     for r in rows:
         if r["script_failures"]:
             print(f"{r['rate']:g}/s {r['phase']}: script failures and anomalies {r['script_failures']} "

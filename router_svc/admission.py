@@ -16,11 +16,23 @@ same nonce), and a Redis failure is the configured choice: fail closed (REDIS_UN
 fail open on this process's own limits (`LocalLimits`), logged and counted. When Redis comes
 back empty (restart without persistence), the next heartbeat restores every lease and queued
 request this process holds; scripts reload themselves after NOSCRIPT (restart, SCRIPT FLUSH).
+
+The hot path's client cost is per *call*, not per request, where it can be (`Batcher`): the
+enqueues (and the settles) of one loop iteration share one call, at most a few calls of each
+script are in flight (what arrives meanwhile goes in the next, larger one), and a call is timed
+by one timer and callbacks (`_Timed`), with no task or `asyncio.wait` of its own. A process that
+falls behind (its loop busy all the time or late while calls wait for their turn beyond
+min(0.25 s, op_timeout / 4)) refuses new requests at once with ROUTER_OVERLOADED and a
+retry-after instead of queueing them behind calls that would time out (issue 11: before this,
+5k requests/s on two single-core routers collapsed to 929/s with p50 10.9 s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -48,6 +60,13 @@ T = TypeVar("T")
 # time ran on the loop, not in Redis, and it gets more time (at most _MAX_EXTENSIONS times).
 _LATE = 0.02
 _MAX_EXTENSIONS = 8
+# Longest wait of a hot-path call for its turn before new requests are refused (at most
+# op_timeout / 4): see `Admission.max_backlog`.
+_MAX_BACKLOG = 0.25
+_BUSY = 0.9         # the loop thread's CPU share at which the process counts as behind
+_WINDOW = 0.1       # seconds over which that share is measured
+_MAX_CHILDREN = 4096
+_OVERLOADED = Reason.ROUTER_OVERLOADED.value.lower()
 _REFUSAL_TEXT = {
     Reason.TENANT_CONCURRENCY_LIMIT: "tenant {t!r} has {mi} requests in flight (its limit) and may not queue more",
     Reason.TENANT_QUEUE_FULL: "tenant {t!r} has {mq} requests queued (its max_queued) and the engines are busy",
@@ -69,57 +88,176 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class _Timed:
+    """`Admission._watch` for a batched call, by callbacks: one timer per call, no task and no
+    `asyncio.wait` (those cost more than the call's own Python under load). `done(exc)` runs once:
+    with None when `op` answered (its outcome may still be a Redis error), or a TimeoutError when
+    Redis took longer than op_timeout of *its* time; `op` is never cancelled (see `_watch`)."""
+
+    __slots__ = ("_adm", "_batcher", "_done", "_due", "_extensions", "_op", "_over", "_t0", "_timer", "_what")
+
+    def __init__(self, adm: Admission, batcher: Batcher, op: asyncio.Future[Any], what: str,
+                 done: Callable[[BaseException | None], None]) -> None:
+        loop = asyncio.get_running_loop()
+        self._adm, self._batcher, self._op, self._what, self._done = adm, batcher, op, what, done
+        self._t0 = loop.time()
+        self._due = self._t0 + adm.settings.op_timeout
+        self._extensions = 0
+        self._over = False
+        self._timer = loop.call_at(self._due, self._check)
+        op.add_done_callback(self._answered)
+
+    def _answered(self, op: asyncio.Future[Any]) -> None:
+        if self._over:          # given up already: its late outcome goes to the batch's `_ran_late`
+            return
+        self._over = True
+        self._timer.cancel()
+        self._adm.redis_seconds(self._what).observe(asyncio.get_running_loop().time() - self._t0)
+        self._done(None)
+
+    def _check(self) -> None:
+        if self._op.done() or self._over:    # its done-callback is on its way
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        late = now - self._due
+        # A loop that is behind (busy all the time) may hold the reply unread: as late as a stall.
+        if (late <= _LATE and not self._batcher.loop_behind(now)) or self._extensions >= _MAX_EXTENSIONS:
+            self._over = True
+            metrics.REDIS_FAILURES.labels(self._what, "timeout").inc()
+            self._adm.redis_seconds(self._what).observe(now - self._t0)
+            self._done(asyncio.TimeoutError(f"no reply in {now - self._t0:.3f}s"))
+            return
+        # The timer ran late: the loop was stalled or saturated (see `_watch`).
+        self._extensions += 1
+        self._due = now + min(self._adm.settings.op_timeout, max(0.1, 2 * late, self._batcher.lag))
+        self._timer = loop.call_at(self._due, self._check)
+
+
+_Entry = tuple[list[Any], "asyncio.Future[list[Any]]", "Callable[[list[Any]], None] | None", float]
+
+
 class Batcher:
     """Calls of one script submitted in the same event-loop iteration go out as ONE call: one round
     trip, one script start, one pack of the arguments — under load a call carries many requests.
+
+    At most `max_calls` calls of the script are in flight: what is submitted meanwhile waits and goes
+    out in one call when one answers, so the busier the process, the larger (and cheaper per request)
+    its calls, instead of more calls than its connections and its CPU can serve. When a call times
+    out (Redis stalled), what waits for its turn fails with it: so every entry is still decided
+    within op_timeout of being added, as when each had its own call. `behind()` is how long the
+    oldest entry not yet sent has waited *while this process is behind* (its loop busy all the
+    time, or late): `Admission.admit` refuses new requests early (ROUTER_OVERLOADED) while it is
+    beyond a bound, rather than letting them and the settles behind them time out. A stalled Redis
+    with an idle loop is not "behind": that wait ends in the configured failure (fail open or
+    closed) as before.
 
     `add(args)` returns a future of this entry's slice of the reply (`width` values); the grants
     that follow the entries go to the book. A caller that stops waiting leaves its entry in the
     call; `late(slice)`, when given, receives the slice of an entry whose caller stopped waiting or
     whose call timed out and then ran after all."""
 
-    def __init__(self, admission: Admission, script: str, width: int, max_batch: int = 128) -> None:
+    def __init__(self, admission: Admission, script: str, width: int, max_batch: int = 128,
+                 max_calls: int = 2) -> None:
         self._admission, self._script, self._width, self._max = admission, script, width, max_batch
-        self._pending: list[tuple[list[Any], asyncio.Future[list[Any]], Callable[[list[Any]], None] | None]] = []
+        self._what = script.lower()
+        self._max_calls = max(1, max_calls)
+        self._pending: list[_Entry] = []
         self._scheduled = False
+        self._scheduled_at = 0.0
+        self.in_flight = 0
+        # How busy and how late this process's loop is, measured by the flushes: the loop thread's
+        # CPU share over the last window, and how late the last flush ran after it was scheduled.
+        self._window = (0.0, 0.0)
+        self.busy = 0.0
+        self.lag = 0.0
+        self._flushed_at = 0.0
 
     def add(self, args: list[Any], late: Callable[[list[Any]], None] | None = None) -> asyncio.Future[list[Any]]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[list[Any]] = loop.create_future()
-        self._pending.append((args, fut, late))
-        if not self._scheduled:
+        now = loop.time()
+        self._pending.append((args, fut, late, now))
+        if not self._scheduled and self.in_flight < self._max_calls:
             self._scheduled = True
+            self._scheduled_at = now
             loop.call_soon(self._flush)
         return fut
 
-    def _flush(self) -> None:
-        self._scheduled = False
-        while self._pending:
-            batch, self._pending = self._pending[:self._max], self._pending[self._max:]
-            self._admission._spawn(self._send(batch))
+    def behind(self) -> float:
+        """Seconds the oldest entry not yet sent has waited, when this process is behind (else 0.0)."""
+        if not self._pending:
+            return 0.0
+        now = asyncio.get_running_loop().time()
+        return now - self._pending[0][3] if self.loop_behind(now) else 0.0
 
-    async def _send(self, batch: list[tuple[list[Any], asyncio.Future[list[Any]], Any]]) -> None:
+    def loop_behind(self, now: float) -> bool:
+        """This process's loop is busy all the time or late (rather than waiting for Redis)."""
+        self._measure(now)
+        return self.busy >= _BUSY or (self.lag if now - self._flushed_at < 2 * _WINDOW else 0.0) >= _LATE or (
+            self._scheduled and now - self._scheduled_at >= _LATE)
+
+    def _measure(self, now: float) -> None:
+        t0, cpu0 = self._window
+        if now - t0 >= _WINDOW:
+            cpu = time.thread_time()
+            self.busy = (cpu - cpu0) / (now - t0) if t0 else 0.0
+            self._window = (now, cpu)
+
+    def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._scheduled = False
+        now = self._flushed_at = loop.time()
+        self.lag = now - self._scheduled_at
+        self._measure(now)
+        while self._pending and self.in_flight < self._max_calls:
+            batch = self._pending[:self._max]
+            del self._pending[:self._max]
+            self._send(batch)
+
+    def _send(self, batch: list[_Entry]) -> None:
         flat: list[Any] = [len(batch)]
-        for args, _, _ in batch:
-            flat.extend(args)
+        for entry in batch:
+            flat.extend(entry[0])
+        self.in_flight += 1
         op = self._admission.call(self._script, *flat)
+        self._admission._track(op)      # close() waits for it
+        _Timed(self._admission, self, op, self._what, lambda exc: self._answered(op, batch, exc))
+
+    def _answered(self, op: asyncio.Future[Any], batch: list[_Entry], exc: BaseException | None) -> None:
+        self.in_flight -= 1
         try:
-            reply = await self._admission._watch(op, self._script.lower())
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            for _, fut, _ in batch:
+            if exc is None:
+                if op.cancelled():      # only at close
+                    exc = RedisConnectionError("admission store call cancelled")
+                else:
+                    exc = op.exception()
+            if exc is None:
+                self._deliver(op.result(), batch, late_only=False)
+                return
+            failed = batch
+            if not op.done():   # timed out: it may still run; what waits behind it fails with it
+                op.add_done_callback(functools.partial(self._ran_late, batch=batch))
+                failed = batch + self._pending
+                self._pending = []
+            for entry in failed:
+                fut = entry[1]
                 if not fut.done():
                     fut.set_exception(exc)
-            op.add_done_callback(lambda done: self._ran_late(done, batch))
-            return
-        self._deliver(reply, batch, late_only=False)
+        finally:
+            if self._pending and not self._scheduled:
+                loop = asyncio.get_running_loop()
+                self._scheduled = True
+                self._scheduled_at = loop.time()
+                loop.call_soon(self._flush)
 
-    def _ran_late(self, op: asyncio.Future[Any], batch: list[Any]) -> None:
+    def _ran_late(self, op: asyncio.Future[Any], batch: list[_Entry]) -> None:
         if not op.cancelled() and op.exception() is None:
             self._deliver(op.result(), batch, late_only=True)
 
-    def _deliver(self, reply: list[Any], batch: list[Any], late_only: bool) -> None:
+    def _deliver(self, reply: list[Any], batch: list[_Entry], late_only: bool) -> None:
         w = self._width
-        for i, (_, fut, late) in enumerate(batch):
+        for i, (_, fut, late, _) in enumerate(batch):
             part = reply[i * w:(i + 1) * w]
             if not late_only and not fut.done():
                 fut.set_result(part)
@@ -194,10 +332,23 @@ class Admission:
         # None = unknown, then settings.pool_capacity (or the capacity Redis last stored).
         self.capacity: Callable[[], int | None] = lambda: None
         self.book = Book(self)
-        self.enqueues = Batcher(self, "ENQUEUE", 3)
-        self.settles = Batcher(self, "SETTLE", 1)
+        # Calls in flight per script: the connections but the grant listener's and two for the
+        # heartbeat, reaper and cancels (the two scripts share them; a call beyond the pool's
+        # connections waits for one, inside its op_timeout). Half as many each cost the queue's
+        # grant latency under a closed loop (test_admission_fairness) for no CPU measurably saved.
+        calls = max(1, settings.max_connections - 3)
+        self.enqueues = Batcher(self, "ENQUEUE", 3, max_calls=calls)
+        self.settles = Batcher(self, "SETTLE", 1, max_calls=calls)
+        # New requests are refused (ROUTER_OVERLOADED) while a hot-path call waits this long to be
+        # sent: the process (its loop, its connections) is behind, and more requests would only
+        # make every admission and settle behind them later until they time out.
+        self.max_backlog = min(_MAX_BACKLOG, settings.op_timeout / 4)
         self.local = LocalLimits()
         self._background: set[asyncio.Future[Any]] = set()
+        # Labelled metric children, looked up once per label set rather than once per request.
+        self._outcomes: dict[tuple[str, str, str], Any] = {}
+        self._queue_times: dict[tuple[str, str], Any] = {}
+        self._seconds: dict[str, Any] = {}
 
     # --------------------------------------------------------------------------------- plumbing
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
@@ -205,6 +356,37 @@ class Admission:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    def _track(self, op: asyncio.Future[Any]) -> None:
+        """An operation that runs on by itself (close() waits for it); its failure counts as seen."""
+        op.add_done_callback(_retrieve)
+        self._background.add(op)
+        op.add_done_callback(self._background.discard)
+
+    def outcome(self, tenant: str, cls: str, outcome: str) -> None:
+        """Count one admission outcome (`metrics.ADMISSION`)."""
+        key = (tenant, cls, outcome)
+        child = self._outcomes.get(key)
+        if child is None:
+            if len(self._outcomes) >= _MAX_CHILDREN:
+                self._outcomes.clear()
+            child = self._outcomes[key] = metrics.ADMISSION.labels(tenant, cls, outcome)
+        child.inc()
+
+    def queue_time(self, tenant: str, cls: str, seconds: float) -> None:
+        key = (tenant, cls)
+        child = self._queue_times.get(key)
+        if child is None:
+            if len(self._queue_times) >= _MAX_CHILDREN:
+                self._queue_times.clear()
+            child = self._queue_times[key] = metrics.ADMISSION_QUEUE.labels(tenant, cls)
+        child.observe(seconds)
+
+    def redis_seconds(self, what: str) -> Any:
+        child = self._seconds.get(what)
+        if child is None:
+            child = self._seconds[what] = metrics.REDIS_SECONDS.labels(what)
+        return child
 
     def use_engines(self, snapshots: Callable[[], Any]) -> None:
         """Take the pool's capacity from the engine replicas' reports (`ports.ReplicaSnapshot`s)."""
@@ -253,11 +435,9 @@ class Admission:
                 extensions += 1
                 due = loop.time() + min(self.settings.op_timeout, max(0.1, 2 * late))
         finally:
-            metrics.REDIS_SECONDS.labels(what).observe(loop.time() - t0)
+            self.redis_seconds(what).observe(loop.time() - t0)
             if not op.done():   # given up (timeout) or the caller cancelled: it runs on, tracked
-                op.add_done_callback(_retrieve)
-                self._background.add(op)
-                op.add_done_callback(self._background.discard)
+                self._track(op)
 
     def _store_failure(self, exc: BaseException, what: str) -> TokenrelayError:
         if isinstance(exc, OutOfMemoryError):
@@ -294,8 +474,15 @@ class Admission:
         cap = self.capacity_now()
         if cap == 0:
             raise Reason.NO_HEALTHY_REPLICA.error("no engine replica is serving")
+        backlog = max(self.enqueues.behind(), self.settles.behind())
+        if backlog > self.max_backlog:
+            self.outcome(req.tenant, cls, _OVERLOADED)
+            raise Reason.ROUTER_OVERLOADED.error(
+                f"this router's admission calls wait {backlog * 1000:.0f} ms for their turn (limit "
+                f"{self.max_backlog * 1000:.0f} ms): the process is behind",
+                retry_after=min(2.0, 0.05 + 2 * backlog))
         member = f"{req.tenant}:{req.request_id}"
-        waiter = Waiter(member, req, cls, uuid.uuid4().hex[:12])
+        waiter = Waiter(member, req, cls, os.urandom(6).hex())
         self.book.waiting[member] = waiter     # a grant message may come before the reply
         remaining_ms = int(req.deadline * 1000) if req.deadline > 0 else 0
         # A caller that gives up (cancelled, its deadline) or a call that times out while Redis may
@@ -305,7 +492,9 @@ class Admission:
                                  int(self.settings.max_queue_wait * 1000)],
                                 late=lambda part: self._withdraw_after(part, waiter))
         try:
-            reply = await asyncio.shield(fut)
+            # Not shielded: a cancelled caller cancels only its entry's future; the call goes on and
+            # hands that entry's reply to `late`.
+            reply = await fut
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             self.book.waiting.pop(member, None)
             return self._fail_open(req, cls, exc)
@@ -319,7 +508,7 @@ class Admission:
         status, value, extra = int(reply[0]), reply[1], int(reply[2])
         if status == 1:
             lease = self.book.granted(waiter, _s(value))
-            metrics.ADMISSION.labels(req.tenant, cls, "granted").inc()
+            self.outcome(req.tenant, cls, "granted")
             return Admitting(self, None, lease, 0)
         if status == 2:
             if waiter.lease is not None:          # granted by a message that raced the reply
@@ -327,14 +516,14 @@ class Admission:
             waiter.position = int(value)
             waiter.queued = True
             self.book.keep_alive()
-            metrics.ADMISSION.labels(req.tenant, cls, "queued").inc()
+            self.outcome(req.tenant, cls, "queued")
             return Admitting(self, waiter, None, int(value))
         self.book.waiting.pop(member, None)
         raise self._refusal(_s(value), extra, req, cls)
 
     def _refusal(self, name: str, retry_ms: int, req: AdmitRequest, cls: str) -> TokenrelayError:
         reason = Reason.lookup(name)
-        metrics.ADMISSION.labels(req.tenant, cls, name.lower()).inc()
+        self.outcome(req.tenant, cls, name.lower())
         if reason is None or reason not in _REFUSAL_TEXT:
             return Reason.INTERNAL.error(f"admission refused with an unknown reason {name!r}")
         text = _REFUSAL_TEXT[reason].format(id=req.request_id, t=req.tenant, mi=req.max_in_flight,

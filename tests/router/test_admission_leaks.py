@@ -143,6 +143,56 @@ async def test_a_stalled_or_busy_loop_is_not_redis_unavailable(redis_proc: Redis
         await adm.close()
 
 
+def _burn(loop: asyncio.AbstractEventLoop, until: float, each: float) -> None:
+    """A loop saturated by CPU work (not a sleep): every iteration computes for `each` seconds."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < each:
+        pass
+    if time.monotonic() < until:
+        loop.call_soon(_burn, loop, until, each)
+
+
+async def test_a_process_behind_its_calls_refuses_new_requests_early(redis_url: str) -> None:
+    # One call per script in flight (5 connections), the loop computing 0.1 s per iteration and 20
+    # requests arriving per iteration: more than the process keeps up with. Before, every request
+    # waited for its turn later and later until enqueues and the settles behind them timed out;
+    # now a request that arrives while calls wait longer than op_timeout / 4 for their turn is
+    # refused at once with ROUTER_OVERLOADED, and every request admitted is settled. (A Redis
+    # without fsync: a slow disk would make Redis, not this process, the slow one.)
+    adm = _admission(redis_url, op_timeout=0.4, max_connections=5)
+    try:
+        await (await adm.admit(req("t", "warm"))).grant.settle_tokens(0)
+        loop = asyncio.get_running_loop()
+        outcomes: list[tuple[str, float]] = []
+
+        async def one(i: int) -> None:
+            t0 = time.monotonic()
+            try:
+                x = await adm.admit(req("t", f"r{i}", max_in_flight=10_000))
+            except Exception as exc:  # noqa: BLE001 - every outcome is asserted on below
+                outcomes.append((str(getattr(exc, "reason", type(exc).__name__)), time.monotonic() - t0))
+                return
+            assert x.grant is not None
+            await x.grant.settle_tokens(1)
+            outcomes.append(("settled", time.monotonic() - t0))
+
+        loop.call_soon(_burn, loop, time.monotonic() + 2.0, 0.1)
+        tasks = []
+        for i in range(15):
+            tasks += [asyncio.ensure_future(one(i * 20 + j)) for j in range(20)]
+            await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        reasons = {r for r, _ in outcomes}
+        assert reasons <= {"settled", "ROUTER_OVERLOADED"}, reasons     # nothing timed out
+        refused = [t for r, t in outcomes if r == "ROUTER_OVERLOADED"]
+        assert refused and max(refused) < 0.35, refused                 # refused at once, not after a wait
+        assert "settled" in reasons
+        await poll(lambda: not adm.book._pending, what="nothing left to retry")
+        assert await _count(redis_url, adm, "t") == 0 and not adm.book.leases
+    finally:
+        await adm.close()
+
+
 async def test_redis_that_does_not_answer_is_still_unavailable(redis_proc: RedisProc) -> None:
     adm = _admission(redis_proc.url, op_timeout=0.3)
     try:
