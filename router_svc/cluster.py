@@ -53,6 +53,8 @@ from .request import LocalRequestRegistry
 log = get_logger(__name__)
 
 HELD_IDS = Gauge("tokenrelay_router_cluster_request_ids", "Request ids this router process holds in Redis")
+STALE_IDS = Counter("tokenrelay_router_cluster_stale_request_ids_total", "Request ids found claimed in Redis by a "
+                    "live router that no longer held them (a release lost, e.g. to a Redis restart), taken over")
 REMOTE_CANCELS = Counter("tokenrelay_router_cluster_remote_cancels_total", "Cancels delivered to or from "
                          "another router process, by direction and outcome", ["direction", "outcome"])
 
@@ -198,7 +200,9 @@ class RedisCluster:
             return
         if op == "cancel":
             self.registry.remote_cancel(message)
-        elif op == "cancelled":
+        elif op == "holds":
+            self.registry.remote_holds(message)
+        elif op in ("cancelled", "held"):
             self.registry.answer(message)
 
     # ------------------------------------------------------------------------------------ heartbeat
@@ -268,7 +272,10 @@ class RedisRequestRegistry:
         ttl_ms = int(self.ttl * 1000)
         try:
             owner = await self._c.pipe.call_keyed(_CLAIM, key, self._c.router_id, ttl_ms)
-            if owner and await self._c.owner_is_gone(owner):  # its router died holding it: take it
+            # Another router's id: take it over if that router died holding it, or if it is alive but
+            # no longer holds it (its release was lost: e.g. a Redis restart replayed the claim from
+            # its AOF but not the delete that followed); else it really is in flight there.
+            if owner and (await self._c.owner_is_gone(owner) or not await self._owner_holds(owner, tenant, request_id)):
                 owner = await self._c.pipe.call("EVAL", _TAKE_OVER, 1, key, self._c.router_id, ttl_ms, owner)
         except REDIS_ERRORS as exc:
             self._c.warn("claim", exc)  # this process's view only; the heartbeat claims it when Redis is back
@@ -311,6 +318,42 @@ class RedisRequestRegistry:
 
     def _cancel_local(self, tenant: str, request_id: str) -> bool:
         return self._local.cancel_held(tenant, request_id)
+
+    async def _owner_holds(self, owner: bytes | str, tenant: str, request_id: str) -> bool:
+        """Does the live router `owner` hold this id? Asked on its channel; no answer within the
+        cancel timeout (or Redis failing) reads as yes: an id is never run twice on a guess."""
+        owner = owner.decode() if isinstance(owner, bytes) else owner
+        if owner == self._c.router_id:
+            return self._local.holds(tenant, request_id)
+        nonce = secrets.token_hex(8)
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._answers[nonce] = answer
+        try:
+            receivers = await self._c.publish(owner, {"op": "holds", "tenant": tenant, "request_id": request_id,
+                                                      "reply_to": self._c.router_id, "nonce": nonce})
+            if receivers == 0:
+                return False        # nobody listens there: it died (owner_is_gone raced its exit)
+            held = await asyncio.wait_for(answer, self.cancel_timeout)
+        except (asyncio.TimeoutError, *REDIS_ERRORS):
+            return True
+        finally:
+            self._answers.pop(nonce, None)
+        if not held:
+            STALE_IDS.inc()
+            log.info("cluster_stale_request_id", owner=owner, request_id=request_id)
+        return held
+
+    def remote_holds(self, message: dict[str, Any]) -> None:
+        """Another router asks whether we hold an id it found claimed by us (answered from the
+        local view; the answer goes out in the next pipeline)."""
+        try:
+            held = self._local.holds(str(message["tenant"]), str(message["request_id"]))
+            reply = json.dumps({"op": "held", "nonce": str(message["nonce"]), "held": held})
+            channel = self._c.channel(str(message["reply_to"]))
+        except (KeyError, TypeError) as exc:
+            log.warning("cluster_bad_message", error=repr(exc))
+            return
+        self._c.pipe.submit("PUBLISH", channel, reply).add_done_callback(self._c.report("holds_reply"))
 
     async def cancel(self, tenant: str, request_id: str) -> bool:
         if self._cancel_local(tenant, request_id):
@@ -364,9 +407,10 @@ class RedisRequestRegistry:
         self._c.pipe.submit("PUBLISH", channel, reply).add_done_callback(self._c.report("cancel_reply"))
 
     def answer(self, message: dict[str, Any]) -> None:
+        """The reply to one of our questions: "cancelled" (Cancel) or "held" (a claim's check)."""
         answer = self._answers.get(str(message.get("nonce")))
         if answer is not None and not answer.done():
-            answer.set_result(bool(message.get("cancelled")))
+            answer.set_result(bool(message.get("held" if message.get("op") == "held" else "cancelled")))
 
 
 class RedisSessionAffinity:

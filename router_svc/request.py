@@ -110,6 +110,9 @@ class LocalRequestRegistry:
         self._held[key] = []
         return True
 
+    def holds(self, tenant: str, request_id: str) -> bool:
+        return (tenant, request_id) in self._held
+
     def drop(self, tenant: str, request_id: str) -> bool:
         """Forget the id; whether it was held."""
         return self._held.pop((tenant, request_id), None) is not None

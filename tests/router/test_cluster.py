@@ -130,6 +130,24 @@ async def test_an_id_held_by_a_dead_router_is_taken_over_at_once(pair, redis_url
     await r.aclose()
 
 
+async def test_a_stale_claim_of_a_live_router_that_no_longer_holds_the_id_does_not_block_it(pair, redis_url):
+    """A release lost in a Redis crash (an AOF replayed without its last second: the claim is back,
+    the delete is not) leaves a live router's id in Redis that it no longer holds. A retry of that id
+    must run, not get DUPLICATE_REQUEST_ID until the key expires; an id the owner does hold stays refused."""
+    a, b = pair
+    assert await a.registry.claim("t", "lost-release")
+    await a.registry.release("t", "lost-release")
+    r = aioredis.from_url(redis_url)
+    try:
+        await r.set(a.key("rid", "t", "lost-release"), "a", px=15_000)   # what the replayed AOF brought back
+        assert await b.registry.claim("t", "lost-release")                # a holds nothing: b takes it
+        assert (await r.get(a.key("rid", "t", "lost-release"))) == b"b"
+        assert await a.registry.claim("t", "held")
+        assert not await b.registry.claim("t", "held")                    # really held by a: refused
+    finally:
+        await r.aclose()
+
+
 async def test_one_heartbeat_task_keeps_every_id_and_reclaims_after_a_restart(pair, redis_url):
     a, _ = pair
     for i in range(1200):  # more than one Lua chunk
