@@ -193,6 +193,7 @@ class Bench:
         flows = [Flow("over1", rate=rate / 2, timeout=30.0), Flow("over2", rate=rate / 2, timeout=3.0),
                  Flow(PROBE, rate=max(5.0, rate / 20))]
         recs, _ = self.run("d/overload", flows)
+        client_lag = [x * 1000 for x in self.workers.last_lags]
         probe = [(r.end - r.start) * 1000 for r in measured(recs, w, {PROBE}) if r.end is not None]
         recs = [r for r in recs if r.tenant != PROBE]
         goodput = sum(r.tokens for r in recs if r.outcome == "done") / w
@@ -210,10 +211,13 @@ class Bench:
                 "goodput_tok_s": goodput, "requests": len(mine), "done": sum(r.outcome == "done" for r in mine),
                 "refused": len(refused), "rejection_ms": [percentile(lat, 50), percentile(lat, 99)], "reasons": table,
                 "floor_ms": [percentile(probe, 50), percentile(probe, 99)], "floor_calls": len(probe),
+                "client_loop_lag_ms": [percentile(client_lag, 50), percentile(client_lag, 99)],
                 "checks": [check("goodput / capacity alone", goodput / capacity if capacity else 0.0, ">=", 0.95),
                            check("rejection latency p99 (ms)", percentile(lat, 99), "<=", 10.0),
                            check("rejection p99 - floor p99 (ms): admission's part", percentile(lat, 99)
-                                 - percentile(probe, 99), "info")]}
+                                 - percentile(probe, 99), "info"),
+                           check("load processes' own loop lag p99 (ms): the client's part", percentile(client_lag, 99),
+                                 "info")]}
 
 
 def batch_min_share(args: argparse.Namespace) -> float:

@@ -82,6 +82,7 @@ class _Clock:
     waiting: int = 0                  # measured requests still without their first token
     stop: bool = False
     recs: list[Rec] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)   # this process's loop lag (s), measured window only
 
     def rel(self) -> float:
         return time.monotonic() - self.begin
@@ -159,7 +160,7 @@ async def _open(stub: Any, flow: Flow, rate: float, phase: Phase, rng: random.Ra
         task.add_done_callback(tasks.discard)
 
 
-async def drive(phase: Phase, index: int, shares: int) -> list[Rec]:
+async def drive(phase: Phase, index: int, shares: int) -> tuple[list[Rec], list[float]]:
     """This process's share of `phase`: stream j of each flow if j % shares == index, rate / shares."""
     from services.channels import open_channel
     from services.proto.tokenrelay.v1 import inference_pb2_grpc
@@ -184,6 +185,16 @@ async def drive(phase: Phase, index: int, shares: int) -> list[Rec]:
                 loops.append(_open(stub, flow, flow.rate / shares / len(stubs), phase,
                                    random.Random(rng.random() + r), clock, tasks))
     runners = [asyncio.ensure_future(lp) for lp in loops]
+
+    async def lag() -> None:
+        # The load process's own share of every latency it records: how late its loop runs a 5 ms timer.
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.005)
+            if clock.begin <= t < clock.end:
+                clock.lags.append(time.monotonic() - t - 0.005)
+
+    runners.append(asyncio.ensure_future(lag()))
     while any(not r.done() for r in runners) and clock.sending():
         await asyncio.sleep(0.05)
     clock.stop = True
@@ -194,7 +205,7 @@ async def drive(phase: Phase, index: int, shares: int) -> list[Rec]:
     await asyncio.gather(*runners, *tasks, return_exceptions=True)
     for c in channels:
         await c.close()
-    return clock.recs
+    return clock.recs, clock.lags
 
 
 def _worker(inbox: Any, outbox: Any, index: int, shares: int, cpus: list[int]) -> None:
@@ -215,6 +226,7 @@ class Workers:
         self.count = count
         self._out = ctx.Queue()
         self._ins = [ctx.Queue() for _ in range(count)]
+        self.last_lags: list[float] = []   # the load processes' loop lags in the last phase's window (s)
         self._procs = [ctx.Process(target=_worker, args=(q, self._out, i, count,
                                                          [cpus[i % len(cpus)]] if cpus else []), daemon=True)
                        for i, q in enumerate(self._ins)]
@@ -224,15 +236,19 @@ class Workers:
     def run(self, phase: Phase) -> list[Rec]:
         phase.t0 = time.time() + (1.0 if self.count else 0.1)
         if not self.count:
-            return asyncio.run(drive(phase, 0, 1))
+            recs, self.last_lags = asyncio.run(drive(phase, 0, 1))
+            return recs
         for q in self._ins:
             q.put(phase)
         recs: list[Rec] = []
+        self.last_lags = []
         deadline = time.monotonic() + phase.warmup + phase.seconds + phase.tail + 120
         for _ in self._ins:
             while True:
                 try:
-                    recs += self._out.get(timeout=1.0)
+                    got, lags = self._out.get(timeout=1.0)
+                    recs += got
+                    self.last_lags += lags
                     break
                 except queue.Empty as empty:
                     dead = [p.exitcode for p in self._procs if not p.is_alive()]
