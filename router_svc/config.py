@@ -113,6 +113,16 @@ class RoutingSettings(Section):
                                         "requests are at most this times the least loaded replica's (or that "
                                         "plus --prefix-balance-slack)")
     prefix_balance_slack: int = Field(2, ge=0, le=10_000, description="prefix policy: see --prefix-balance-ratio")
+    prefix_evict_cost: float = Field(
+        0.0, ge=0, le=1_000, description="prefix policy: prompt tokens of prefill that one token of other "
+                                         "conversations in progress on a replica is worth where they could "
+                                         "outgrow its KV cache (4x what it holds plus the request exceeds its "
+                                         "blocks): they grow there and compete for its blocks; 0 = off, the default "
+                                         "(0.1 measured no gain on bench_routing.py's evict trace, docs/routing.md)")
+    prefix_live_window: float = Field(
+        0.5, ge=0, le=3600, description="prefix policy: seconds a cached block touched by a placement or a KV "
+                                        "event counts as a conversation's in progress (see "
+                                        "--prefix-evict-cost); older cached blocks are stale")
     prefix_pending_ttl: float = Field(
         5.0, ge=0, le=600, description="prefix policy: seconds a prompt routed to a replica counts as cached "
                                        "there before its KV events arrive")

@@ -15,7 +15,10 @@ Policies (`--routing-policy`):
   the prompt tokens it would have to prefill (the prompt minus the longest cached prefix the
   `PrefixIndex` knows it holds), plus `load_cost` tokens per request the new one would wait behind
   (beyond the engine's batch) and `run_cost` per request running there (each shares every step) —
-  and one more `load_cost` when its free KV blocks cannot hold the uncached prompt and the reply —
+  and one more `load_cost` when its free KV blocks cannot hold the uncached prompt and the reply,
+  and, on a replica whose cache the conversations there could outgrow, `evict_cost` tokens per token
+  of other conversations in progress there (`live_pressure`: they grow where they are and compete
+  with this one for its blocks) —
   never a cache hit at any price: a replica with more requests than the balance bound allows
   (`balance_rel` × the least loaded one's, or that plus `balance_abs`) is not a candidate.
   While router processes share their placements (`placement_share.PlacementShare`, live),
@@ -139,6 +142,7 @@ class PrefixWeights:
     balance_rel: float = 1.25    # a candidate's requests ≤ max(rel × least, least + abs)
     balance_abs: int = 2
     kv_high: float = KV_HIGH_WATER
+    evict_cost: float = 0.0      # ... per token of other conversations in progress (`live_pressure`; 0 = off)
 
 
 def requests_on(s: ReplicaSnapshot) -> int:
@@ -153,6 +157,21 @@ def waiting_ahead(s: ReplicaSnapshot) -> int:
     if not s.max_active:
         return s.queued
     return max(s.queued, requests_on(s) + 1 - s.max_active, 0)
+
+
+GROWTH = 4   # live_pressure: conversations in progress may grow to this many times what they hold
+
+
+def live_pressure(s: ReplicaSnapshot, resident: int, need: int, live: int, live_matched: int) -> int:
+    """Blocks of other conversations in progress on `s` (`live` live blocks there, `live_matched` of
+    them this prompt's own cached prefix), where its cache could run out: what it holds (`resident`
+    blocks, or `kv_used` if more) plus the `need` more blocks of this request, grown `GROWTH` times,
+    exceed its KV blocks; else 0. Conversations grow where they are and compete with this one for
+    the replica's blocks, so a conversation is better placed beside small ones (or stale blocks:
+    conversations that ended) than beside large ones it will evict, or be evicted by, later."""
+    if not s.kv_total or (max(resident, s.kv_used) + need) * GROWTH <= s.kv_total:
+        return 0
+    return max(0, live - live_matched)
 
 
 def cluster_view(s: ReplicaSnapshot, remote: int) -> ReplicaSnapshot:
@@ -195,7 +214,8 @@ class PrefixAware:
         w = self.w
         prompt_len = request.prompt_tokens or len(request.prompt_ids)
         tpb = self.index.tokens_per_block
-        depths = self.index.match(request.prompt_ids, [s.address for s in candidates], request.cache_salt)
+        live: dict[str, tuple[int, int, int]] | None = {} if w.evict_cost > 0 else None
+        depths = self.index.match(request.prompt_ids, [s.address for s in candidates], request.cache_salt, live)
 
         def cached(s: ReplicaSnapshot) -> int:
             return min(depths.get(s.address, 0) * tpb, max(0, prompt_len - 1))
@@ -212,10 +232,20 @@ class PrefixAware:
         bound = max(least * w.balance_rel, least + w.balance_abs)
         balanced = [s for s in candidates if requests_on(s) <= bound]
 
+        def evict(s: ReplicaSnapshot) -> float:
+            """Tokens of other conversations in progress there, where they could outgrow its cache."""
+            seen = live.get(s.address) if live is not None else None
+            if seen is None:
+                return 0.0
+            bs = max(1, s.tokens_per_block or tpb)
+            resident, n_live, n_matched = seen
+            need = -(-(prompt_len + request.max_tokens) // bs) - depths.get(s.address, 0)
+            return live_pressure(s, resident, need, n_live, n_matched) * bs * w.evict_cost
+
         def cost(s: ReplicaSnapshot) -> tuple[float, int]:
             on = requests_on(s)
             waits = waiting_ahead(s) + kv_short(s)
-            return (prompt_len - cached(s) + w.load_cost * waits + w.run_cost * on, on)
+            return (prompt_len - cached(s) + w.load_cost * waits + w.run_cost * on + evict(s), on)
 
         return min(balanced, key=cost).address     # ties: the first in the pool's order, on every router
 

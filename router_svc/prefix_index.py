@@ -23,6 +23,12 @@ Three sources, per replica:
   router process placed (or finished) on a replica, entered exactly as this router's own — pending
   until the events arrive, or history for event-less replicas. `on_record`, when set, hears every
   placement and history entry this router makes (the share publishes them).
+
+Live blocks (`match(..., live=...)`, replicas with events): the keys held or pending there that a
+placement (the whole prompt) or a ``stored`` event (blocks prefilled or decoded) touched in the
+last `live_window` seconds — the prefixes of conversations in progress there. The rest of what a
+replica holds is stale (conversations that ended or paused) and is what its LRU evicts first.
+`live_window` 0 tracks nothing (the router does so while `--prefix-evict-cost` is 0).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 DEFAULT_TOKENS_PER_BLOCK = 32
 PENDING_TTL = 5.0
 HISTORY_BLOCKS = 4096   # a replica without events and without a reported KV size
+LIVE_WINDOW = 0.5       # seconds a touched block counts as a conversation in progress
 
 
 def salt_root(salt: str, _cache: dict[str, int] = {}) -> int:  # noqa: B006 - a memo on purpose
@@ -81,15 +88,17 @@ class _Replica:
     history: OrderedDict[int, None] = field(default_factory=OrderedDict)    # key LRU (no events)
     history_capacity: int = HISTORY_BLOCKS
     gaps: int = 0
+    touched: OrderedDict[int, float] = field(default_factory=OrderedDict)   # key → last touch (events)
 
 
 class PrefixIndex:
     """Keys held per replica, from events, recent placements and history (module doc)."""
 
     def __init__(self, tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, pending_ttl: float = PENDING_TTL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, live_window: float = LIVE_WINDOW) -> None:
         self.tokens_per_block = tokens_per_block
         self.pending_ttl = pending_ttl
+        self.live_window = live_window
         self._clock = clock
         self._replicas: dict[str, _Replica] = {}
         # (address, keys, kind): kind "placed" (pending, or history without events) or "finished"
@@ -141,10 +150,14 @@ class PrefixIndex:
                 return True            # hangs from a block we never saw: unusable, not a gap
             key = parent
         tpb = self.tokens_per_block
+        now = self._clock()
         for block in blocks:
             if len(block.tokens) < tpb:
                 break                  # a partial block (routers ignore them, as Dynamo does)
             key = hash((key, *block.tokens))
+            if event_id and self.live_window > 0:   # a snapshot says what is held, not what is live
+                r.touched[key] = now
+                r.touched.move_to_end(key)
             if block.engine_hash in r.engine_to_key:
                 continue
             r.engine_to_key[block.engine_hash] = key
@@ -165,6 +178,7 @@ class PrefixIndex:
                 r.held[key] = left
             else:
                 r.held.pop(key, None)
+                r.touched.pop(key, None)
         return True
 
     def skip(self, address: str, event_id: int) -> bool:
@@ -194,7 +208,10 @@ class PrefixIndex:
         if r.events:
             self._expire(r)
             hit = reusable and (keys[0] in r.held or keys[0] in r.pending)
-            self._pend(r, keys, self._clock() + self.pending_ttl)
+            now = self._clock()
+            self._pend(r, keys, now + self.pending_ttl)
+            if self.live_window > 0:
+                self._touch(r, keys, now)
         else:
             hit = reusable and keys[0] in r.history
             self._remember(r, keys)
@@ -212,7 +229,10 @@ class PrefixIndex:
         if r.events:
             if kind == "placed" and age < self.pending_ttl:
                 self._expire(r)
-                self._pend(r, keys, self._clock() + self.pending_ttl - max(0.0, age))
+                now = self._clock()
+                self._pend(r, keys, now + self.pending_ttl - max(0.0, age))
+                if self.live_window > 0:
+                    self._touch(r, keys, now)
         elif kind in ("placed", "finished"):
             self._remember(r, keys)
 
@@ -223,6 +243,30 @@ class PrefixIndex:
             if key not in held and pending.get(key, 0.0) < expiry:
                 pending[key] = expiry
                 pending.move_to_end(key)
+
+    @staticmethod
+    def _touch(r: _Replica, keys: Sequence[int], now: float) -> None:
+        touched = r.touched
+        for key in keys:
+            touched[key] = now
+            touched.move_to_end(key)
+
+    def live(self, address: str) -> int:
+        """Blocks of `address` touched in the last `live_window` seconds (0 without events)."""
+        r = self._replicas.get(address)
+        if r is None or not r.events:
+            return 0
+        self._expire_touched(r)
+        return len(r.touched)
+
+    def _expire_touched(self, r: _Replica) -> None:
+        touched, held, pending = r.touched, r.held, r.pending
+        horizon = self._clock() - self.live_window
+        while touched:
+            key, at = next(iter(touched.items()))
+            if at > horizon and (key in held or key in pending):
+                break
+            touched.popitem(last=False)
 
     def finished(self, address: str, prompt: Sequence[int], reply: Sequence[int], salt: str) -> None:
         """A request ended there: its prompt and reply (event-less replicas only: history)."""
@@ -252,11 +296,20 @@ class PrefixIndex:
             r.pending.popitem(last=False)
 
     # -- lookup -------------------------------------------------------------------------------
-    def match(self, prompt: Sequence[int], addresses: Sequence[str], salt: str = "") -> dict[str, int]:
-        """Per replica, how many leading full blocks of `prompt` it is believed to hold."""
+    def match(self, prompt: Sequence[int], addresses: Sequence[str], salt: str = "",
+              live: dict[str, tuple[int, int, int]] | None = None) -> dict[str, int]:
+        """Per replica, how many leading full blocks of `prompt` it is believed to hold. With `live`
+        given, it is filled for each replica with events: (blocks held or pending there, its live
+        blocks, how many of the matched blocks are among them)."""
         tpb = self.tokens_per_block
         limit = max(0, (len(prompt) - 1) // tpb)    # the engine always computes the last token
         if not limit:
+            if live is not None:
+                for address in addresses:
+                    r = self._replicas.get(address)
+                    if r is not None and r.events:
+                        self._expire_touched(r)
+                        live[address] = (len(r.held) + len(r.pending), len(r.touched), 0)
             return {}
         chains: dict[bool, list[int]] = {}
         depths: dict[str, int] = {}
@@ -275,6 +328,11 @@ class PrefixIndex:
                     if key not in held and key not in pending:
                         break
                     depth += 1
+                if live is not None:
+                    self._expire_touched(r)
+                    touched = r.touched
+                    live[address] = (len(held) + len(pending), len(touched),
+                                     sum(1 for key in keys[:depth] if key in touched))
             else:
                 history = r.history
                 depth = 0
