@@ -183,10 +183,24 @@ class EngineStage:
         watchdog = _Watchdog(self.progress_timeout)
         prompt, sampling = state.continuation()   # migrated: from everything already streamed
         state.engine_done = False     # a new attempt: its work is there to abort until it ends
+        sinkable = False
         try:
             source = self.engines.submit(address, state.upstream_id, prompt, sampling, eos,
                                          state.tenant, inject(trace.set_span_in_context(phase)),
                                          timeout=state.remaining(), priority=state.priority)
+            generated, send, loop = state.generated, detok.send, watchdog.loop
+
+            def direct(chunk: EngineChunk) -> bool:
+                # Plain new tokens after the first: handed on by the mux reader itself (no hop).
+                if prefilling or state.engine_done or chunk.finished or chunk.error_reason or chunk.cached_tokens:
+                    return False
+                watchdog.last = loop.time()
+                generated.extend(chunk.token_ids)
+                send(chunk.token_ids, False)
+                return True
+            sinkable = hasattr(source, "sink")
+            if sinkable:
+                source.sink = direct  # type: ignore[attr-defined]
             while True:
                 chunk = await self._next(state, source, address, watchdog)
                 if prefilling and chunk.token_ids:
@@ -206,6 +220,8 @@ class EngineStage:
                 if chunk.finished:
                     return
         finally:
+            if sinkable:
+                source.sink = None  # type: ignore[attr-defined]
             watchdog.close()
             phase.end()
 

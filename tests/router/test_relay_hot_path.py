@@ -1,0 +1,99 @@
+"""The per-token relay path's shortcuts keep what they replace: the mux's sink (items taken
+without a hop, in order), the ITL histogram's fast observer, the in-place Delta responses, and
+the engine replica's once-per-message breaker success."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from router_svc.breaker import Breaker
+from router_svc.metrics import _fast_observer
+from router_svc.servicer import _delta_into, event_to_pb
+from router_svc.types import Delta
+from router_svc.upstreams import EngineReplica
+from services.channels import open_channel
+from services.metrics import ITL_BUCKETS
+from services.mux import MuxClient
+from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
+from services.security import PLAINTEXT
+from tests.router.test_mux import _DripEngine, _merge, _serve, _until
+
+
+async def test_a_sink_takes_items_in_order_and_what_it_declines_waits_in_the_inbox() -> None:
+    server, address = await _serve(_DripEngine(tokens=30))
+    channel = open_channel(address, PLAINTEXT)
+    stub = engine_pb2_grpc.EngineStub(channel)
+    mux: MuxClient[Any] = MuxClient(
+        "engine-test", stub.Stream, lambda p: engine_pb2.EngineInbound(submit=p.get("submit", [])),
+        lambda resp: [(c.request_id, c) for c in resp.chunks],
+        convert=lambda c: {"tokens": list(c.token_ids), "finished": c.finished}, merge=_merge)
+    try:
+        inbox = mux.open("r")
+        sunk: list[int] = []
+
+        def sink(item: Any) -> bool:
+            if item["finished"] or item["tokens"] == [10]:
+                return False
+            sunk.extend(item["tokens"])
+            return True
+        inbox.sink = sink
+        mux.post("submit", engine_pb2.EngineRequest(request_id="r"))
+        await asyncio.wait_for(_until(lambda: mux.items_received == 30), 10)
+        # 0..9 taken by the sink; 10 declined, so everything after it queues behind it (merged),
+        # the sink never sees a later item before an earlier one reached the consumer.
+        assert sunk == list(range(10))
+        items: list[Any] = list(await inbox.get_ready())
+        assert [item["tokens"] for item in items] == [list(range(10, 29)), [29]]
+        assert inbox.empty()
+    finally:
+        await mux.close()
+        await channel.close()
+        await server.stop(None)
+
+
+def test_the_fast_itl_observer_counts_exactly_like_observe() -> None:
+    registry = CollectorRegistry()
+    plain = Histogram("plain", "h", ["t"], buckets=ITL_BUCKETS, registry=registry).labels("a")
+    fast_child = Histogram("fast", "h", ["t"], buckets=ITL_BUCKETS, registry=registry).labels("a")
+    fast = _fast_observer(fast_child)
+    assert fast != fast_child.observe     # prometheus_client's internals are as expected: the fast path runs
+    rng = random.Random(7)
+    values = [*ITL_BUCKETS, 0.0, -1.0, 5.0, *(rng.random() * 0.3 for _ in range(500))]
+    for v in values:
+        plain.observe(v)
+        fast(v)
+
+    def samples(name: str) -> dict[str, float]:
+        return {f"{s.name.removeprefix(name)}{sorted(s.labels.items())}": s.value
+                for m in registry.collect() if m.name == name for s in m.samples if "created" not in s.name}
+    assert samples("plain") == samples("fast")
+    assert len(samples("plain")) == len(ITL_BUCKETS) + 3   # every bucket, +Inf, count, sum
+
+
+def test_delta_responses_built_in_place_equal_the_constructed_ones() -> None:
+    for delta in (Delta("hi"), Delta("", [5, 6]), Delta(""), Delta("x", [1])):
+        generate = _delta_into(inference_pb2.GenerateResponse(), delta)
+        chat = _delta_into(inference_pb2.ChatResponse(), delta)
+        assert generate.WhichOneof("event") == chat.WhichOneof("event") == "delta"
+        fields = event_to_pb(delta)
+        assert generate.SerializeToString() == inference_pb2.GenerateResponse(**fields).SerializeToString()  # type: ignore[arg-type]
+        assert chat.SerializeToString() == inference_pb2.ChatResponse(**fields).SerializeToString()  # type: ignore[arg-type]
+
+
+async def test_a_message_with_tokens_clears_a_suspect_replica_and_an_error_alone_does_not() -> None:
+    channel = open_channel("127.0.0.1:9", PLAINTEXT)   # never connected: the replica's logic only
+    replica = EngineReplica("127.0.0.1:9", channel, engine_pb2_grpc.EngineStub(channel), breaker=Breaker())
+    replica.breaker.failure()
+    assert not replica.breaker.clean() and not replica.healthy
+    replica._on_message(engine_pb2.EngineOutbound(chunks=[engine_pb2.TokenChunk(
+        request_id="a", error_reason="OVERLOADED", finished=True)]))
+    assert not replica.healthy                      # a refusal is no sign that it works
+    replica._on_message(engine_pb2.EngineOutbound(chunks=[
+        engine_pb2.TokenChunk(request_id="a", error_reason="OVERLOADED"),
+        engine_pb2.TokenChunk(request_id="b", token_ids=[1])]))
+    assert replica.breaker.clean() and replica.healthy
+    await replica.close()
