@@ -20,10 +20,10 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.logging import get_logger
+from services.redis_client import open_redis
 
 from .backends.events import HealthState
 from .engine import Engine
@@ -77,7 +77,7 @@ class Registration:
         self._heartbeat = heartbeat
         self._ttl_ms = int(ttl * 1000)
         self._timeout = timeout
-        self._redis = aioredis.from_url(redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._redis = open_redis(redis_url, timeout, retry_on=None, health_check_interval=0)
         self._beat = self._redis.register_script(_BEAT)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

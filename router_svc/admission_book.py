@@ -26,6 +26,7 @@ from services.logging import get_logger
 from services.tasks import OwnedTask
 
 from . import metrics
+from .cluster_redis import subscribe
 from .ports import AdmitRequest
 from .types import Usage
 
@@ -304,7 +305,7 @@ class Book:
             pubsub = adm.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 async with asyncio.timeout(adm.settings.op_timeout):
-                    await pubsub.subscribe(adm.channel)
+                    await subscribe(adm.redis, pubsub, adm.channel)
                 self.listening.set()
                 async for message in pubsub.listen():
                     if message.get("type") == "message":

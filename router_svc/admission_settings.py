@@ -25,7 +25,8 @@ class AdmissionSettings(Section):
     """Admission: one Redis-backed queue per pool, shared by every router replica."""
 
     redis_url: MaskedUrl = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://, rediss://, "
-                                 "unix://); a password in it is never logged")
+                                 "unix://; redis+cluster://host:port or rediss+cluster:// for a Redis Cluster, "
+                                 "one seed node, each pool's keys in one slot); a password in it is never logged")
     redis_ca_file: str = Field("", description="PEM CA certificates that verify the Redis server's certificate "
                                "(rediss:// URLs; empty = the system's roots); the server's name is checked "
                                "against the URL's host")
@@ -87,8 +88,8 @@ class AdmissionSettings(Section):
     @field_validator("redis_url")
     @classmethod
     def _scheme(cls, url: str) -> str:
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        if not url.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+            raise ValueError("must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://")
         return url
 
     @field_validator("redis_ca_file")
@@ -131,7 +132,7 @@ class AdmissionSettings(Section):
 
     def _redis_tls_consistent(self) -> None:
         tls = [f for f in ("redis_ca_file", "redis_cert_file", "redis_key_file") if getattr(self, f)]
-        if tls and not self.redis_url.startswith("rediss://"):
+        if tls and not self.redis_url.startswith(("rediss://", "rediss+cluster://")):
             raise conflict(f"{', '.join(tls)} need a rediss:// URL (TLS)", "redis_url", *tls)
         if bool(self.redis_cert_file) != bool(self.redis_key_file):
             raise conflict("set both a client certificate and its key, or neither", "redis_cert_file",

@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 
 from services.logging import get_logger
 
-from .cluster_redis import REDIS_ERRORS, Pipeliner, Warned, open_redis, stop_tasks
+from .cluster_redis import REDIS_ERRORS, Pipeliner, Warned, numsub, open_redis, stop_tasks, subscribe
 from .placement import LocalSessionAffinity
 from .request import LocalRequestRegistry
 
@@ -162,8 +162,7 @@ class RedisCluster:
         """No process listens on the owner's Cancel channel: it died (its ids would otherwise block a
         client's retry until their TTL). Only asked when a claim meets another router's id."""
         owner = owner.decode() if isinstance(owner, bytes) else owner
-        counts = await asyncio.wait_for(self.redis.pubsub_numsub(self.channel(owner)), self.op_timeout)
-        return all(int(n) == 0 for _, n in counts)
+        return await asyncio.wait_for(numsub(self.redis, self.channel(owner)), self.op_timeout) == 0
 
     async def publish(self, router_id: str, message: dict[str, Any]) -> int:
         return int(await self.pipe.call("PUBLISH", self.channel(router_id), json.dumps(message)))
@@ -174,7 +173,7 @@ class RedisCluster:
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await asyncio.wait_for(pubsub.subscribe(self.channel(self.router_id)), self.op_timeout)
+                await asyncio.wait_for(subscribe(self.redis, pubsub, self.channel(self.router_id)), self.op_timeout)
                 subscribed.set()
                 backoff = 0.05
                 while True:

@@ -1,4 +1,5 @@
-"""Redis plumbing of router_svc/cluster.py: a client with bounded timeouts, one coalescing pipeline
+"""Redis plumbing of router_svc/cluster.py: the client factory (`open_redis`, from
+services/redis_client.py: one Redis or, by a ``redis+cluster://`` URL, a Redis Cluster), one coalescing pipeline
 per process (a round trip per batch of operations, keyed scripts merged into one call), bounded
 task shutdown, and the counted, rate-limited log of fallbacks to local behaviour."""
 
@@ -8,15 +9,16 @@ import asyncio
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
 from prometheus_client import Counter
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.logging import get_logger
+from services.redis_client import RedisClient, is_cluster_url, open_redis
+
+__all__ = ["REDIS_ERRORS", "Pipeliner", "RedisClient", "Warned", "consume", "is_cluster_url", "numsub",
+           "open_redis", "stop_tasks", "subscribe"]
 
 log = get_logger(__name__)
 
@@ -24,14 +26,25 @@ FALLBACKS = Counter("tokenrelay_router_cluster_fallbacks_total", "Cluster operat
                     "release, cancel, session) answered from this process's own view because Redis failed or "
                     "was slow", ["op"])
 
-def open_redis(url: str, timeout: float, **options: Any) -> aioredis.Redis:
-    """A client for cluster state: bounded timeouts, and one retry on a fresh connection when a
-    pooled one turns out dead (after a Redis restart), so no operation is lost to a stale socket.
-    ``options``: TLS files and password (`AdmissionSettings.redis_options`, as the admission pool)."""
-    return aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
-                             retry=Retry(NoBackoff(), 1),
-                             retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
-                             **options)
+
+async def numsub(redis: RedisClient, channel: str) -> int:
+    """Subscribers of `channel`. In a Redis Cluster, SUBSCRIBE and PUBSUB NUMSUB are node-local: ask
+    the node of the channel's slot, where `pubsub()` subscribes and PUBLISH goes (redis-py would
+    otherwise ask its default node, which may see no subscriber of a live router)."""
+    if isinstance(redis, RedisCluster):
+        counts = await redis.pubsub_numsub(channel, target_nodes=redis.get_node_from_key(channel))
+    else:
+        counts = await redis.pubsub_numsub(channel)
+    return sum(int(n) for _, n in counts)
+
+
+async def subscribe(redis: RedisClient, pubsub: Any, *channels: str) -> None:
+    """Subscribe `pubsub` (made by ``redis.pubsub()``) to `channels`. A cluster client learns the
+    slots first: its pubsub connects to the node of the channel's slot, which it looks up in them
+    (redis-py fails with a KeyError while the client has sent no command yet)."""
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()
+    await pubsub.subscribe(*channels)
 
 
 _Op = tuple[str, tuple[Any, ...], "asyncio.Future[Any]", str]  # command or script, args, future, key
@@ -45,7 +58,7 @@ class Pipeliner:
     reply per key) of one batch become ONE script call over all their keys: a claim or a release
     costs Redis and redis-py one array element, not one command."""
 
-    def __init__(self, redis: aioredis.Redis, timeout: float) -> None:
+    def __init__(self, redis: RedisClient, timeout: float) -> None:
         self._redis = redis
         self._timeout = timeout
         self._pending: list[_Op] = []

@@ -42,7 +42,7 @@ from typing import Any
 
 from services.logging import get_logger
 
-from .cluster_redis import Pipeliner, Warned
+from .cluster_redis import Pipeliner, Warned, subscribe
 from .metrics_routing import PLACEMENT_SHARE, PLACEMENT_SHARE_SUBSCRIBED
 from .prefix_index import PrefixIndex
 
@@ -173,7 +173,7 @@ class PlacementShare:
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await asyncio.wait_for(pubsub.subscribe(self.channel), self.op_timeout)
+                await asyncio.wait_for(subscribe(self.redis, pubsub, self.channel), self.op_timeout)
                 self.subscribed.set()
                 self._live = True
                 PLACEMENT_SHARE_SUBSCRIBED.set(1)

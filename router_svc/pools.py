@@ -41,11 +41,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import redis.asyncio as aioredis
-
 from services.logging import get_logger
 
-from .cluster_redis import REDIS_ERRORS, open_redis, stop_tasks
+from .cluster_redis import REDIS_ERRORS, RedisClient, open_redis, stop_tasks, subscribe
 from .metrics import POOL_REQUESTS, SPLIT_RELOADS, SPLIT_VERSION, SPLIT_WEIGHT
 from .ports import ReplicaSnapshot
 
@@ -269,7 +267,7 @@ def config_from_hash(fields: Mapping[Any, Any], base: SplitConfig) -> SplitConfi
                              got.get("epoch", base.epoch), version)
 
 
-async def write_split(redis: aioredis.Redis, pool: str, weights: Mapping[str, float] | None, *, epoch: str = "",
+async def write_split(redis: RedisClient, pool: str, weights: Mapping[str, float] | None, *, epoch: str = "",
                       shadow: tuple[str, float] | None = None, who: str = "") -> int:
     """Store a split for every router of `pool` and notify them; returns its version. `weights`
     None keeps the stored weights and epoch; `shadow` None keeps the stored shadow setting, ("", 0)
@@ -286,15 +284,15 @@ async def write_split(redis: aioredis.Redis, pool: str, weights: Mapping[str, fl
                                 repr(time.time())))
 
 
-async def read_split(redis: aioredis.Redis, pool: str) -> dict[str, str]:
+async def read_split(redis: RedisClient, pool: str) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in (await redis.hgetall(split_key(pool))).items()}
 
 
-async def reset_split(redis: aioredis.Redis, pool: str) -> None:
+async def reset_split(redis: RedisClient, pool: str) -> None:
     """Forget the stored split: routers return to their flags."""
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(split_key(pool))
-        pipe.publish(split_channel(pool), "0")
+        pipe.execute_command("PUBLISH", split_channel(pool), "0")   # a cluster pipeline blocks pipe.publish()
         await pipe.execute()
 
 
@@ -309,7 +307,7 @@ class SplitStore:
         self.pool = pool
         self.poll_interval = poll_interval
         self.op_timeout = op_timeout
-        self.redis: aioredis.Redis | None = (open_redis(redis_url, op_timeout, **(redis_options or {}))
+        self.redis: RedisClient | None = (open_redis(redis_url, op_timeout, **(redis_options or {}))
                                              if redis_url else None)
         self.reloads = 0                 # reads of Redis done (tests wait on it)
         self._wake = asyncio.Event()
@@ -391,7 +389,7 @@ class SplitStore:
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await asyncio.wait_for(pubsub.subscribe(split_channel(self.pool)), self.op_timeout)
+                await asyncio.wait_for(subscribe(self.redis, pubsub, split_channel(self.pool)), self.op_timeout)
                 self._wake.set()    # a change published while we were not subscribed is read now
                 backoff = 0.05
                 while True:
