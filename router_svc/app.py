@@ -17,8 +17,8 @@ from .adapters import EnginesAdapter, build_router
 from .admission import Admission
 from .cluster import RedisCluster
 from .config import RouterSettings, RoutingSettings
+from .discovery import TokenizerDiscovery, resolve_once
 from .discovery import from_settings as discovery_from_settings
-from .discovery import resolve_once
 from .kv_events import KvEventFeeds
 from .overload import AcceptProbe, OverloadGate
 from .placement import PrefixAware, PrefixWeights, make_policy
@@ -84,6 +84,8 @@ async def serve(settings: RouterSettings) -> None:
     tokenizer = TokenizerUpstream(await resolve_once(upstreams.tokenizers), upstreams.upstream_timeout,
                                   max_calls=upstreams.tokenize_calls_in_flight,
                                   max_bytes=upstreams.tokenize_bytes_in_flight, security=settings.security)
+    # dns: tokenizer entries followed while serving (a tokenizer Deployment scaled up or down).
+    tokenizers = TokenizerDiscovery(upstreams.tokenizers, tokenizer, upstreams.dns_interval)
     feeds: KvEventFeeds | None = None
     share: PlacementShare | None = None
     pools: PoolControl | None = None
@@ -91,6 +93,7 @@ async def serve(settings: RouterSettings) -> None:
         await tenants.start()  # before the slow waits, so a SIGHUP during startup reloads, not kills
         await cluster.start()
         await _wait_tokenizer(tokenizer, upstreams.startup_timeout)
+        tokenizers.start()
         await discovery.start()   # static and dns: entries, the registry: before the first poll
         await engines.start()
         placement, index = _placement(settings.routing)
@@ -151,5 +154,6 @@ async def serve(settings: RouterSettings) -> None:
         await cluster.close()
         await discovery.close()
         await engines.close()
+        await tokenizers.close()
         await tokenizer.close()
         await admission.close()

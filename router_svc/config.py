@@ -33,7 +33,8 @@ class UpstreamSettings(Section):
     registry_interval: float = Field(1.0, ge=0.05, le=60, description="seconds between reads of the engine "
                                                                       "registry (one Redis call each)")
     dns_interval: float = Field(5.0, ge=0.1, le=3600, description="seconds between lookups of dns: entries of "
-                                                                  "--engines (a failed lookup keeps the last set)")
+                                                                  "--engines and --tokenizers (a failed lookup "
+                                                                  "keeps the last set)")
     upstream_timeout: float = Field(10.0, gt=0, description="timeout of unary calls to the tokenizer")
     startup_timeout: float = Field(60.0, gt=0, description="seconds to wait for upstreams at start")
     tokenize_calls_in_flight: int = Field(

@@ -282,10 +282,7 @@ def build_sources(entries: Sequence[str], *, dns_interval: float, registry_url: 
     return sources
 
 
-async def resolve_once(entries: Sequence[str], timeout: float = 5.0) -> list[str]:
-    """Plain addresses of ``host:port`` / ``dns:host:port`` entries, resolved once (the tokenizers:
-    their upstream takes a fixed list). A name that does not resolve is kept as it is (gRPC's own
-    resolver then tries it)."""
+async def _resolve(entries: Sequence[str], timeout: float, keep_unresolved: bool) -> list[str] | None:
     out: list[str] = []
     for text in entries:
         entry = parse_entry(text)
@@ -293,8 +290,70 @@ async def resolve_once(entries: Sequence[str], timeout: float = 5.0) -> list[str
             out.append(entry.address)
             continue
         reading = await DnsSource(entry, 0, timeout).read()
-        out.extend(reading.members if reading and reading.members else [entry.address])
+        if reading is not None and reading.members:
+            out.extend(reading.members)
+        elif keep_unresolved:
+            out.append(entry.address)
+        else:
+            return None
     return list(dict.fromkeys(out))
+
+
+async def resolve(entries: Sequence[str], timeout: float = 5.0) -> list[str] | None:
+    """Plain addresses of ``host:port`` / ``dns:host:port`` entries; None when a `dns:` entry could
+    not be read (the caller keeps what it had)."""
+    return await _resolve(entries, timeout, keep_unresolved=False)
+
+
+class TokenizerDiscovery:
+    """The tokenizer replicas of `--tokenizers` followed while the router runs: `dns:` entries (a
+    Kubernetes headless service) are read again every `interval` and the upstream serves what they
+    list now (`TokenizerUpstream.sync`: new replicas get work at once, gone ones are retired once
+    idle). Static entries stay as given; a lookup that fails keeps the last membership."""
+
+    def __init__(self, entries: Sequence[str], upstream: Any, interval: float, timeout: float = 5.0,
+                 resolver: Any = resolve) -> None:
+        self._entries = list(entries)
+        self._resolver = resolver     # (entries, timeout) -> addresses | None; tests give their own
+        self._upstream = upstream
+        self._interval = interval
+        self._timeout = timeout
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def follows(self) -> bool:
+        return self._interval > 0 and any(parse_entry(e).dns for e in self._entries)
+
+    def start(self) -> None:
+        if self.follows and self._task is None:
+            self._task = asyncio.create_task(self._follow(), name="discovery-tokenizers")
+
+    async def refresh(self) -> None:
+        addresses = await self._resolver(self._entries, self._timeout)
+        if addresses:
+            self._upstream.sync(addresses)
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)   # the lookup period, not a synchronisation
+            try:
+                await self.refresh()
+            except Exception:   # one bad reading must not end discovery: logged, the next one may do
+                log.exception("tokenizer_discovery_failed")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+async def resolve_once(entries: Sequence[str], timeout: float = 5.0) -> list[str]:
+    """Plain addresses of ``host:port`` / ``dns:host:port`` entries, resolved once (at start; the
+    tokenizers are then followed by `TokenizerDiscovery`). A name that does not resolve is kept as
+    it is (gRPC's own resolver then tries it)."""
+    return await _resolve(entries, timeout, keep_unresolved=True) or []
 
 
 # ---------------------------------------------------------------------------------------- discovery

@@ -1,7 +1,7 @@
-"""Adapters to the tokenizer and engine services: protobuf stays on this side of the edge.
+"""Adapters to the engine services: protobuf stays on this side of the edge.
 
-`TokenizerUpstream` batches nothing itself (the tokenizer service batches concurrent calls) but
-keeps one multiplexed Detokenize stream per tokenizer replica. `EngineReplica` keeps one
+The tokenizer's client (`TokenizerUpstream`, `DetokSession`) lives in router_svc/tokenizer_upstream.py
+and is re-exported here. `EngineReplica` keeps one
 multiplexed engine Stream and a circuit breaker (router_svc/breaker.py); `EnginePool` holds the
 replicas, whose membership router_svc/discovery.py keeps (static, DNS, the Redis registry), and
 tracks their load and health.
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -22,15 +20,13 @@ from typing import Any, cast
 import grpc
 
 from services.channels import CHANNEL_OPTIONS, open_channel
-from services.errors import Reason, TokenrelayError
+from services.errors import Reason
 from services.logging import get_logger
-from services.mux import Inbox, MuxClient, StreamBroken, stream_error
+from services.mux import Inbox, MuxClient, stream_error
 from services.proto.tokenrelay.v1 import (
     common_pb2,
     engine_pb2,
     engine_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
 )
 from services.security import PLAINTEXT, SecuritySettings
 from services.wire import FINISH_NAMES
@@ -38,16 +34,16 @@ from services.wire import FINISH_NAMES
 from . import metrics
 from .breaker import DEFAULT_POLICY, POLL, Breaker, BreakerPolicy, BreakerState
 from .ports import ReplicaSnapshot
-from .tokenize_batch import MAX_BYTES, MAX_CALLS, TokenizeCoalescer
-from .types import DetokOut, EngineChunk, Sampling, TokenizerMeta
+from .tokenizer_upstream import DetokSession, TokenizerUpstream
+from .types import EngineChunk, Sampling
 
 log = get_logger(__name__)
+
+__all__ = ["DEFAULT_POOL", "DetokSession", "EnginePool", "EngineReplica", "ReplicaLoad", "TokenizerUpstream"]
 
 # How long a busy router may hold a request's new engine tokens so that they travel on together
 # (services/mux.py): at most one delta per request per WAKE_DELAY while the loop lags.
 WAKE_DELAY = 0.02
-# Seconds a tokenizer replica whose call or stream failed on the transport gets no new work.
-TOKENIZER_DOWN_FOR = 1.0
 
 
 
@@ -57,169 +53,6 @@ def _rpc(exc: grpc.aio.AioRpcError, what: str) -> Exception:
 
 
 # ---------------------------------------------------------------------------------------- tokenizer
-def _detok_build(pending: dict[str, list[Any]]) -> tokenizer_pb2.DetokenizeRequest:
-    return tokenizer_pb2.DetokenizeRequest(open=pending.get("open", []), tokens=pending.get("tokens", []),
-                                           close=pending.get("close", []))
-
-
-def _detok_split(resp: tokenizer_pb2.DetokenizeResponse) -> list[tuple[str, tokenizer_pb2.DetokOutput]]:
-    return [(o.request_id, o) for o in resp.outputs]
-
-
-def _detok_out(o: tokenizer_pb2.DetokOutput) -> DetokOut:
-    return DetokOut(o.text, o.finished, o.matched_stop, o.tokens_consumed, o.error)
-
-
-def _detok_merge(pending: DetokOut, o: tokenizer_pb2.DetokOutput) -> bool:
-    """Append new text to the request's output that has not been taken yet (services/mux.py)."""
-    if pending.finished or pending.error or o.finished or o.error or o.matched_stop:
-        return False
-    pending.text += o.text
-    pending.tokens_consumed = o.tokens_consumed
-    return True
-
-
-class DetokSession:
-    """One request's incremental detokenization on a shared stream."""
-
-    def __init__(self, mux: MuxClient[DetokOut], request_id: str) -> None:
-        self._mux = mux
-        self.request_id = request_id
-        self.queue = mux.open(request_id)
-        self._closed = False
-
-    def start(self, stop: list[str], include_stop: bool, prefix_ids: list[int],
-              trace_context: dict[str, str]) -> None:
-        self._mux.post("open", tokenizer_pb2.DetokOpen(
-            request_id=self.request_id, stop=stop, include_stop_str=include_stop,
-            skip_special_tokens=True, prefix_ids=prefix_ids, trace_context=trace_context))
-
-    def send(self, token_ids: list[int], final: bool) -> None:
-        self._mux.post("tokens", tokenizer_pb2.DetokTokens(
-            request_id=self.request_id, token_ids=token_ids, final=final))
-
-    async def next(self) -> DetokOut | StreamBroken:
-        return await self.queue.get()
-
-    async def next_ready(self) -> list[DetokOut | StreamBroken]:
-        """Every output ready now, waiting only when none is (one client write carries them all)."""
-        return await self.queue.get_ready()
-
-    def fail(self, error: Exception) -> None:
-        self.queue.put_nowait(StreamBroken(error))  # type: ignore[arg-type]
-
-    def close(self, flushed: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if not flushed:
-            self._mux.post("close", tokenizer_pb2.DetokClose(request_id=self.request_id))
-        self._mux.release(self.request_id)
-
-
-class TokenizerUpstream:
-    def __init__(self, addresses: list[str], timeout: float, *, max_calls: int = MAX_CALLS,
-                 max_bytes: int = MAX_BYTES, security: SecuritySettings = PLAINTEXT) -> None:
-        if not addresses:
-            raise ValueError("at least one tokenizer address is required")
-        self._timeout = timeout
-        self._channels = [open_channel(a, security) for a in addresses]
-        self._stubs = [tokenizer_pb2_grpc.TokenizerStub(c) for c in self._channels]
-        self._rr = itertools.cycle(range(len(addresses)))
-        self._addresses = list(addresses)
-        # A replica whose call or stream failed on the transport gets no new work for a moment (it
-        # is probed again after that): a dead tokenizer costs its in-flight requests, not every
-        # request sent to it until it is back.
-        self._down_until = [0.0] * len(addresses)
-        # ... and gets no new Detokenize session until a Tokenize call there succeeded again (the
-        # probe: a failed Tokenize is retried elsewhere, a failed session would cost its request).
-        self._suspect = [False] * len(addresses)
-        self._muxes: list[MuxClient[DetokOut]] = [
-            MuxClient(f"detok-{a}", stub.Detokenize, _detok_build, _detok_split, convert=_detok_out,
-                      merge=_detok_merge, on_broken=self._marker(i))
-            for i, (a, stub) in enumerate(zip(addresses, self._stubs, strict=True))]
-        self._batchers = [TokenizeCoalescer(stub, timeout, max_calls=max_calls, max_bytes=max_bytes)
-                          for stub in self._stubs]
-        self.meta: TokenizerMeta | None = None
-
-    async def info(self) -> TokenizerMeta:
-        try:
-            r = await self._stubs[0].Info(tokenizer_pb2.InfoRequest(), timeout=self._timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise _rpc(exc, "tokenizer") from exc
-        self.meta = TokenizerMeta(r.name, r.vocab_size, list(r.eos_token_ids),
-                                  r.bos_token_id if r.HasField("bos_token_id") else None,
-                                  r.max_context, r.has_chat_template)
-        return self.meta
-
-    async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
-                       timeout: float | None = None, cache_key: str = "",
-                       allow_special_tokens: bool = False) -> list[int]:
-        """Ids of a text or a chat. With `cache_key` (a chat session) every call goes to the same
-        replica, whose prefix cache then tokenizes only the new part of each turn."""
-        if messages is not None:
-            item = tokenizer_pb2.TokenizeInput(chat=tokenizer_pb2.ChatMessages(
-                messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                add_generation_prompt=True, cache_key=cache_key), allow_special_tokens=allow_special_tokens)
-        else:
-            item = tokenizer_pb2.TokenizeInput(text=text or "", add_special_tokens=True,
-                                               allow_special_tokens=allow_special_tokens)
-        index = zlib.crc32(cache_key.encode()) % len(self._stubs) if cache_key else self._pick()
-        if not self._up(index):
-            index = self._pick()
-        budget = min(filter(None, (timeout, self._timeout)))
-        try:
-            try:
-                ids = await self._batchers[index].tokenize(item, budget)
-                self._suspect[index] = False
-                return ids
-            except TokenrelayError as exc:
-                if exc.reason != Reason.UPSTREAM_UNAVAILABLE:
-                    raise
-                self.mark_down(index)
-                other = self._pick()
-                if other == index:
-                    raise
-                return await self._batchers[other].tokenize(item, budget)   # idempotent: once elsewhere
-        except asyncio.TimeoutError:
-            raise Reason.TOKENIZE_TIMEOUT.error("tokenization did not finish in time") from None
-
-    def _up(self, index: int) -> bool:
-        return time.monotonic() >= self._down_until[index]
-
-    def _marker(self, index: int) -> Callable[[TokenrelayError], None]:
-        return lambda _error: self.mark_down(index)
-
-    def _pick(self) -> int:
-        """The next replica in turn that is not marked down (any, when all are)."""
-        first = next(self._rr)
-        index = first
-        for _ in range(len(self._stubs)):
-            if self._up(index):
-                return index
-            index = next(self._rr)
-        return first
-
-    def mark_down(self, index: int) -> None:
-        if self._up(index):
-            log.warning("tokenizer_unavailable", address=self._addresses[index], for_s=TOKENIZER_DOWN_FOR)
-        self._down_until[index] = time.monotonic() + TOKENIZER_DOWN_FOR
-        self._suspect[index] = True
-
-    def detokenizer(self, request_id: str) -> DetokSession:
-        up = [m for i, m in enumerate(self._muxes) if not self._suspect[i]] or self._muxes
-        mux = min(up, key=lambda m: m.open_requests)
-        return DetokSession(mux, request_id)
-
-    async def close(self) -> None:
-        for batcher in self._batchers:
-            await batcher.close()
-        for mux in self._muxes:
-            await mux.close()
-        for channel in self._channels:
-            await channel.close()
-
-
 # ------------------------------------------------------------------------------------------- engine
 def _engine_build(pending: dict[str, list[Any]]) -> engine_pb2.EngineInbound:
     return engine_pb2.EngineInbound(submit=pending.get("submit", []), abort=pending.get("abort", []))

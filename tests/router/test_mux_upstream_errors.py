@@ -68,7 +68,7 @@ async def test_tokenizer_killed_mid_load_is_unavailable(tmp_path: pathlib.Path) 
 
         tasks = [asyncio.create_task(tokenize_forever()) for _ in range(6)]
         tasks += [asyncio.create_task(detokenize_forever(i)) for i in range(8)]
-        batcher = upstream._batchers[0]
+        batcher = upstream._replicas[0].batcher
         await poll(lambda: batcher._in_flight and batcher.calls_sent >= 2, timeout=20, what="calls in flight")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
