@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from redis.exceptions import RedisError
 
 from services.logging import get_logger
+from services.tasks import OwnedTask
 
 from . import metrics
 from .breaker import BreakerPolicy
@@ -318,15 +319,15 @@ class TokenizerDiscovery:
         self._upstream = upstream
         self._interval = interval
         self._timeout = timeout
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("discovery-tokenizers")
 
     @property
     def follows(self) -> bool:
         return self._interval > 0 and any(parse_entry(e).dns for e in self._entries)
 
     def start(self) -> None:
-        if self.follows and self._task is None:
-            self._task = asyncio.create_task(self._follow(), name="discovery-tokenizers")
+        if self.follows:
+            self._task.ensure(self._follow)
 
     async def refresh(self) -> None:
         addresses = await self._resolver(self._entries, self._timeout)
@@ -342,11 +343,7 @@ class TokenizerDiscovery:
                 log.exception("tokenizer_discovery_failed")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.close()
 
 
 async def resolve_once(entries: Sequence[str], timeout: float = 5.0) -> list[str]:

@@ -163,14 +163,20 @@ def _merge(pending: Any, raw: Any) -> bool:
     return True
 
 
-async def test_chunks_that_arrive_while_one_waits_are_merged_into_it() -> None:
-    server, address = await _serve(_DripEngine(tokens=51))
+def _merging_client(address: str) -> tuple[grpc.aio.Channel, MuxClient[Any]]:
+    """A client whose items are {"tokens", "finished"} dicts, plain tokens merged (`_merge`)."""
     channel = open_channel(address, PLAINTEXT)
     stub = engine_pb2_grpc.EngineStub(channel)
     mux: MuxClient[Any] = MuxClient(
         "engine-test", stub.Stream, lambda p: engine_pb2.EngineInbound(submit=p.get("submit", [])),
         lambda resp: [(c.request_id, c) for c in resp.chunks],
         convert=lambda c: {"tokens": list(c.token_ids), "finished": c.finished}, merge=_merge)
+    return channel, mux
+
+
+async def test_chunks_that_arrive_while_one_waits_are_merged_into_it() -> None:
+    server, address = await _serve(_DripEngine(tokens=51))
+    channel, mux = _merging_client(address)
     try:
         inbox = mux.open("r")
         mux.post("submit", engine_pb2.EngineRequest(request_id="r"))

@@ -17,20 +17,14 @@ from router_svc.types import Delta
 from router_svc.upstreams import EngineReplica
 from services.channels import open_channel
 from services.metrics import ITL_BUCKETS
-from services.mux import MuxClient
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
 from services.security import PLAINTEXT
-from tests.router.test_mux import _DripEngine, _merge, _serve, _until
+from tests.router.test_mux import _DripEngine, _merging_client, _serve, _until
 
 
 async def test_a_sink_takes_items_in_order_and_what_it_declines_waits_in_the_inbox() -> None:
     server, address = await _serve(_DripEngine(tokens=30))
-    channel = open_channel(address, PLAINTEXT)
-    stub = engine_pb2_grpc.EngineStub(channel)
-    mux: MuxClient[Any] = MuxClient(
-        "engine-test", stub.Stream, lambda p: engine_pb2.EngineInbound(submit=p.get("submit", [])),
-        lambda resp: [(c.request_id, c) for c in resp.chunks],
-        convert=lambda c: {"tokens": list(c.token_ids), "finished": c.finished}, merge=_merge)
+    channel, mux = _merging_client(address)
     try:
         inbox = mux.open("r")
         sunk: list[int] = []
