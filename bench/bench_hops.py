@@ -6,7 +6,8 @@ Real processes, each pinned: an echo server (bare grpcio, its own port), tokeniz
 byte-level tokenizer of `up --engine sim`), redis-server; the caller (this process) on its own
 core, one call at a time (latency, not throughput). Calls:
 
-  echo            bare grpc.aio unary, 64 bytes each way (the floor of any unary call)
+  echo            bare grpc.aio unary, 64 bytes each way (the floor of any unary call; its server and
+                  channel are opened with grpc directly, the exception tests/test_channels.py allows)
   tok-text-raw    Tokenize of a 5-token text, raw stub
   tok-chat-raw    Tokenize of a ~600-token chat (8 messages), raw stub, no session cache
   tok-chat-coal   the same through the router's TokenizeCoalescer
