@@ -11,7 +11,7 @@ from router_svc.ports import AdmitRequest, ReplicaSnapshot
 from router_svc.tenants import Tenant
 from router_svc.types import DetokOut, EngineChunk, Sampling, TokenizerMeta, Usage
 from services.errors import Reason, TokenrelayError
-from services.mux import StreamBroken
+from services.mux import Inbox, StreamBroken
 
 TENANT = Tenant(name="t", api_key_sha256="0" * 64)
 OTHER = Tenant(name="u", api_key_sha256="1" * 64)
@@ -87,8 +87,38 @@ class FakeSource:
         self.queue.put_nowait(StreamBroken(Reason.UPSTREAM_UNAVAILABLE.error("stream broke")))
 
 
+class InboxSource:
+    """A chunk source on a real `services.mux.Inbox`, fed the way `MuxClient._read` feeds one: an
+    item goes to the consumer's sink while nothing is buffered (and the sink takes it), else it is
+    buffered and the consumer woken. `sunk` counts what went through the sink."""
+
+    def __init__(self) -> None:
+        self.inbox: Inbox[EngineChunk] = Inbox()
+        self.sunk = 0
+
+    @property
+    def sink(self) -> object:
+        return self.inbox.sink
+
+    @sink.setter
+    def sink(self, fn: object) -> None:
+        self.inbox.sink = fn  # type: ignore[assignment]
+
+    async def get(self) -> object:
+        return await self.inbox.get()
+
+    def tokens(self, *ids: int, finished: bool = False) -> None:
+        chunk = EngineChunk(list(ids), finished, "length" if finished else "")
+        take = self.inbox.sink
+        if take is not None and self.inbox.empty() and take(chunk):
+            self.sunk += 1
+            return
+        self.inbox.put_nowait(chunk)
+
+
 # What a replica does with each submitted request: "ok" (3 tokens then done), "hang", "broken",
-# an in-band Reason, or "manual" (the test drives the FakeSource).
+# an in-band Reason, "manual" (the test drives the FakeSource) or "inbox" (the test drives an
+# InboxSource: the sink path of the real mux).
 @dataclass
 class FakeReplica:
     address: str
@@ -125,14 +155,17 @@ class FakeEngines:
 
     def submit(self, address: str, request_id: str, prompt: list[int], sampling: Sampling,
                eos_ids: list[int], cache_salt: str, trace_context: dict[str, str], *,
-               timeout: float = 0.0, priority: int = 0) -> FakeSource:
+               timeout: float = 0.0, priority: int = 0) -> FakeSource | InboxSource:
         r = self.replicas[address]
         r.pushed_down.append((timeout, priority))
         r.submitted.append(request_id)
         r.prompts.append((list(prompt), sampling.max_tokens))
         r.in_flight += 1
-        source = r.sources[request_id] = FakeSource()
         what = r.behaviour.pop(0) if len(r.behaviour) > 1 else r.behaviour[0]
+        if what == "inbox":
+            inbox = r.sources[request_id] = InboxSource()   # type: ignore[assignment]
+            return inbox
+        source = r.sources[request_id] = FakeSource()
         if what == "ok":
             source.tokens(101, 102)
             source.tokens(103, finished=True)

@@ -148,3 +148,24 @@ async def test_the_deadline_and_priority_are_pushed_down_to_the_engine() -> None
     await _run(c.router, _inp(priority=3), deadline=time.monotonic() + 20.0)
     [(timeout, priority)] = c.engines.replicas["a"].pushed_down
     assert 0 < timeout <= 20.0 and priority == 3
+
+
+async def test_plain_chunks_after_the_first_skip_the_stage_task_and_keep_their_order() -> None:
+    """The engine stage's sink (services/mux.py `Inbox.sink`): plain new tokens after the first go
+    from the stream's reader to the detokenizer at once; the first and the last chunk go through the
+    stage task. The client sees every token, in order."""
+    c = core(FakeReplica("a", ["inbox"]))
+    gen = c.router.generate(TENANT, _inp(request_id="r"))
+    await anext(gen)                                     # accepted
+    source = await poll(lambda: c.engines.replicas["a"].sources.get(uid(c, "r")))
+    await poll(lambda: source.sink is not None, what="the stage's sink installed")
+    source.tokens(1)                                     # the first: through the task (prefill ends)
+    first = await anext(gen)
+    assert isinstance(first, Delta) and first.text == "<1>"
+    source.tokens(2)
+    source.tokens(3, 4)
+    source.tokens(5, finished=True)                      # the last: through the task
+    rest = [e async for e in gen]
+    assert "".join(e.text for e in rest if isinstance(e, Delta)) == "<2><3><4><5>"
+    assert isinstance(rest[-1], Done) and rest[-1].usage.completion_tokens == 5
+    assert source.sunk == 2 and source.sink is None      # the two plain chunks took the sink; removed at the end
