@@ -324,19 +324,12 @@ class RedisRequestRegistry:
         owner = owner.decode() if isinstance(owner, bytes) else owner
         if owner == self._c.router_id:
             return self._local.holds(tenant, request_id)
-        nonce = secrets.token_hex(8)
-        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._answers[nonce] = answer
         try:
-            receivers = await self._c.publish(owner, {"op": "holds", "tenant": tenant, "request_id": request_id,
-                                                      "reply_to": self._c.router_id, "nonce": nonce})
-            if receivers == 0:
-                return False        # nobody listens there: it died (owner_is_gone raced its exit)
-            held = await asyncio.wait_for(answer, self.cancel_timeout)
+            held = await self._question(owner, "holds", tenant, request_id)
         except (asyncio.TimeoutError, *REDIS_ERRORS):
             return True
-        finally:
-            self._answers.pop(nonce, None)
+        if held is None:
+            return False        # nobody listens there: it died (owner_is_gone raced its exit)
         if not held:
             STALE_IDS.inc()
             log.info("cluster_stale_request_id", owner=owner, request_id=request_id)
@@ -345,14 +338,7 @@ class RedisRequestRegistry:
     def remote_holds(self, message: dict[str, Any]) -> None:
         """Another router asks whether we hold an id it found claimed by us (answered from the
         local view; the answer goes out in the next pipeline)."""
-        try:
-            held = self._local.holds(str(message["tenant"]), str(message["request_id"]))
-            reply = json.dumps({"op": "held", "nonce": str(message["nonce"]), "held": held})
-            channel = self._c.channel(str(message["reply_to"]))
-        except (KeyError, TypeError) as exc:
-            log.warning("cluster_bad_message", error=repr(exc))
-            return
-        self._c.pipe.submit("PUBLISH", channel, reply).add_done_callback(self._c.report("holds_reply"))
+        self._reply(message, "held", self._local.holds, "holds_reply")
 
     async def cancel(self, tenant: str, request_id: str) -> bool:
         if self._cancel_local(tenant, request_id):
@@ -370,18 +356,8 @@ class RedisRequestRegistry:
         return await self._ask(owner, tenant, request_id)
 
     async def _ask(self, owner: str, tenant: str, request_id: str) -> bool:
-        nonce = secrets.token_hex(8)
-        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._answers[nonce] = answer
         try:
-            receivers = await self._c.publish(owner, {"op": "cancel", "tenant": tenant, "request_id": request_id,
-                                                      "reply_to": self._c.router_id, "nonce": nonce})
-            if receivers == 0:  # the owner is gone: its id expires with its heartbeat
-                REMOTE_CANCELS.labels("sent", "no_owner").inc()
-                return False
-            cancelled = await asyncio.wait_for(answer, self.cancel_timeout)
-            REMOTE_CANCELS.labels("sent", "cancelled" if cancelled else "not_found").inc()
-            return cancelled
+            cancelled = await self._question(owner, "cancel", tenant, request_id)
         except asyncio.TimeoutError:
             REMOTE_CANCELS.labels("sent", "timeout").inc()
             log.warning("cluster_cancel_timeout", owner=owner, request_id=request_id)
@@ -389,27 +365,54 @@ class RedisRequestRegistry:
         except REDIS_ERRORS as exc:
             self._c.warn("cancel", exc)
             return False
-        finally:
-            self._answers.pop(nonce, None)
+        if cancelled is None:  # the owner is gone: its id expires with its heartbeat
+            REMOTE_CANCELS.labels("sent", "no_owner").inc()
+            return False
+        REMOTE_CANCELS.labels("sent", "cancelled" if cancelled else "not_found").inc()
+        return cancelled
 
     def remote_cancel(self, message: dict[str, Any]) -> None:
         """Another router asks us to cancel a request we hold; the answer goes to its channel in the
         next pipeline (an answer lost to Redis reads as False there, after its timeout)."""
+        cancelled = self._reply(message, "cancelled", self._cancel_local, "cancel_reply")
+        if cancelled is not None:
+            REMOTE_CANCELS.labels("received", "cancelled" if cancelled else "not_found").inc()
+
+    async def _question(self, owner: str, op: str, tenant: str, request_id: str) -> bool | None:
+        """Ask the router `owner` about one of its ids on its channel (`op`: "cancel" or "holds"):
+        its yes or no, or None when nobody listens there. Raises TimeoutError after the cancel
+        timeout, and Redis errors."""
+        nonce = secrets.token_hex(8)
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._answers[nonce] = answer
         try:
-            cancelled = self._cancel_local(str(message["tenant"]), str(message["request_id"]))
-            reply = json.dumps({"op": "cancelled", "nonce": str(message["nonce"]), "cancelled": cancelled})
+            receivers = await self._c.publish(owner, {"op": op, "tenant": tenant, "request_id": request_id,
+                                                      "reply_to": self._c.router_id, "nonce": nonce})
+            if receivers == 0:
+                return None
+            return await asyncio.wait_for(answer, self.cancel_timeout)
+        finally:
+            self._answers.pop(nonce, None)
+
+    def _reply(self, message: dict[str, Any], op: str, decide: Callable[[str, str], bool],
+               what: str) -> bool | None:
+        """Answer another router's question: ``decide(tenant, request_id)`` goes to its channel as
+        ``{"op": op, op: answer}`` in the next pipeline; None (and a log line) for a bad message."""
+        try:
+            value = decide(str(message["tenant"]), str(message["request_id"]))
+            reply = json.dumps({"op": op, "nonce": str(message["nonce"]), op: value})
             channel = self._c.channel(str(message["reply_to"]))
         except (KeyError, TypeError) as exc:
             log.warning("cluster_bad_message", error=repr(exc))
-            return
-        REMOTE_CANCELS.labels("received", "cancelled" if cancelled else "not_found").inc()
-        self._c.pipe.submit("PUBLISH", channel, reply).add_done_callback(self._c.report("cancel_reply"))
+            return None
+        self._c.pipe.submit("PUBLISH", channel, reply).add_done_callback(self._c.report(what))
+        return value
 
     def answer(self, message: dict[str, Any]) -> None:
-        """The reply to one of our questions: "cancelled" (Cancel) or "held" (a claim's check)."""
+        """The reply to one of our questions: ``{"op": "cancelled" | "held", <op>: yes or no}``."""
         answer = self._answers.get(str(message.get("nonce")))
         if answer is not None and not answer.done():
-            answer.set_result(bool(message.get("held" if message.get("op") == "held" else "cancelled")))
+            answer.set_result(bool(message.get(str(message.get("op")))))
 
 
 class RedisSessionAffinity:
