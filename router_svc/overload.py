@@ -29,6 +29,7 @@ the probe is a metric, not yet a bound (docs/architecture.md, "Overload").
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from types import TracebackType
 
@@ -215,7 +216,9 @@ class OverloadGate:
     def _refuse(self, cause: str, message: str, lag: float) -> None:
         self.refused += 1
         metrics.REFUSED.labels(cause).inc()
-        retry_after = min(_MAX_RETRY_AFTER, _MIN_RETRY_AFTER + 2 * lag)
+        # Jittered up to +50%: clients refused in one burst do not all come back in the same instant
+        # (a synchronized retry wave is refused again as a burst, and each waits behind the others).
+        retry_after = min(_MAX_RETRY_AFTER, (_MIN_RETRY_AFTER + 2 * lag) * (1.0 + 0.5 * random.random()))
         raise Reason.ROUTER_OVERLOADED.error(message, retry_after=retry_after)
 
     def _exit(self) -> None:

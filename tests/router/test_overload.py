@@ -65,6 +65,21 @@ async def test_in_flight_bound_refuses_with_reason_and_retry_after() -> None:
     assert gate.in_flight == 0 and gate.refused == 1
 
 
+def test_retry_after_is_jittered_so_a_refused_burst_does_not_return_at_once() -> None:
+    gate = OverloadGate(max_in_flight=1, max_loop_lag=0)
+    held = gate.enter()
+    hints = []
+    for _ in range(200):
+        with pytest.raises(Unavailable) as e:
+            gate.enter()
+        assert e.value.retry_after is not None
+        hints.append(e.value.retry_after)
+    held.exit()
+    # 50 ms base (no lag), up to +50%: spread over that range, not one value.
+    assert min(hints) >= 0.05 and max(hints) <= 0.075 + 0.001
+    assert len(set(hints)) > 10 and max(hints) - min(hints) > 0.015
+
+
 async def test_loop_lag_bound_refuses_during_a_stall_and_admits_after() -> None:
     gate = OverloadGate(max_in_flight=0, max_loop_lag=0.05, lag=LoopLag(interval=0.005))
     gate.start()
