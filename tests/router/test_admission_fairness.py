@@ -129,8 +129,14 @@ async def test_interactive_within_its_share_barely_waits_behind_a_batch_flood(re
     finally:
         await adm.close()
     service = 100 * _SECONDS_PER_TOKEN
-    # A slot frees every ~5 ms (4 slots, 20 ms each): an interactive request takes the next one.
-    assert p99(served["chat"].waits) < 2 * service, p99(served["chat"].waits)
+    # A slot frees every ~5 ms (4 slots, 20 ms each): an interactive request takes the next one. On a
+    # box loaded enough to stretch every wait (this process's loop and Redis share its cores), the
+    # same run's batch waits are the yardstick: behind the flood in FIFO order chat would wait as long
+    # as batch does; it waits less than half of that.
+    offline = sorted(served["offline"].waits)
+    chat_p99, offline_p50 = p99(served["chat"].waits), offline[len(offline) // 2]
+    print(f"chat wait p99 {chat_p99 * 1000:.1f} ms, batch wait p50 {offline_p50 * 1000:.1f} ms")
+    assert chat_p99 < max(2 * service, offline_p50 / 2), (chat_p99, offline_p50)
     assert served["offline"].tokens > served["chat"].tokens / 3      # batch uses the rest
 
 
