@@ -112,7 +112,8 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
 
     engine_port = EnginesAdapter(engines)
     if hasattr(admission, "use_engines"):     # the admission queue dispatches only while the engines have room
-        admission.use_engines(engine_port.snapshots)
+        # ...of the pools that get traffic: a shadow-only pool's replicas are no room for primary work
+        admission.use_engines(getattr(pools, "routed_snapshots", engine_port.snapshots))
     ports = Ports(tokenizer, DetokenizeAdapter(tokenizer), engine_port, admission,
                   placement or LeastLoaded(), affinity or LocalSessionAffinity(),
                   registry or LocalRequestRegistry(), gate or NoGate(), pools, shadow)

@@ -201,6 +201,12 @@ class SplitSelector:
         self._counters: dict[tuple[str, str], Any] = {}
         self._warned: dict[str, float] = {}
 
+    def routed_snapshots(self) -> list[ReplicaSnapshot]:
+        """The replicas of the pools that get traffic (weight > 0): the admission queue's capacity.
+        A shadow-only or rolled-back pool's replicas run no primary request, so they add no room."""
+        routed = set(self._split().pools)
+        return [s for s in self._snapshots() if s.pool in routed]
+
     def choose(self, tenant: str, session_id: str, request_id: str) -> str:
         split = self._split()
         key = sticky_key(self.sticky, tenant, session_id, request_id)

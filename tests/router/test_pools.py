@@ -174,3 +174,34 @@ def test_split_cli_refuses_bad_input_in_one_line(capsys):
         assert err.startswith("tokenrelay split: error:") and err.count("\n") == 1, err
     assert main(["split", "show", "--redis-url", "unix:///nonexistent.sock"]) == 1      # Redis unreachable
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_admission_counts_the_room_of_routed_pools_only():
+    # A shadow-only (or rolled-back, weight 0) pool runs no primary request: its replicas add no
+    # capacity to the admission queue, which would otherwise dispatch more than the primary can run.
+    from router_svc.adapters import build_router
+    from router_svc.admission import pool_capacity
+
+    class Engines:
+        max_context = 4096
+
+        def snapshots(self) -> list[ReplicaSnapshot]:
+            return [ReplicaSnapshot("a:1", max_active=8), ReplicaSnapshot("b:1", max_active=8),
+                    ReplicaSnapshot("s:1", max_active=8, pool="shadow"),
+                    ReplicaSnapshot("r:1", max_active=8, pool="rolled-back")]
+
+    class Adm:
+        snapshots = None
+
+        def use_engines(self, snapshots):
+            self.snapshots = snapshots
+
+    split = _split("default=100")
+    adm = Adm()
+    build_router(object(), Engines(), adm, pools=SplitSelector(lambda: split, Engines().snapshots))
+    assert pool_capacity(adm.snapshots(), 1.0, 0.9, 4) == 16
+    both = _split("default=50,shadow=50")
+    build_router(object(), Engines(), adm, pools=SplitSelector(lambda: both, Engines().snapshots))
+    assert pool_capacity(adm.snapshots(), 1.0, 0.9, 4) == 24
+    build_router(object(), Engines(), adm)          # no pools wired: every replica counts
+    assert pool_capacity(adm.snapshots(), 1.0, 0.9, 4) == 32
