@@ -17,10 +17,10 @@ fail open on this process's own limits (`LocalLimits`), logged and counted. When
 back empty (restart without persistence), the next heartbeat restores every lease and queued
 request this process holds; scripts reload themselves after NOSCRIPT (restart, SCRIPT FLUSH).
 
-The hot path's client cost is per *call*, not per request, where it can be (`Batcher`): the
+The hot path's client cost is per *call*, not per request, where it can be (`Batcher`, admission_calls.py): the
 enqueues (and the settles) of one loop iteration share one call, at most a few calls of each
 script are in flight (what arrives meanwhile goes in the next, larger one), and a call is timed
-by one timer and callbacks (`_Timed`), with no task or `asyncio.wait` of its own. A process that
+by one timer and callbacks (`Timed`, admission_calls.py), with no task or `asyncio.wait` of its own. A process that
 falls behind (its loop busy all the time or late while calls wait for their turn beyond
 min(0.25 s, op_timeout / 4)) refuses new requests at once with ROUTER_OVERLOADED and a
 retry-after instead of queueing them behind calls that would time out (issue 11: before this,
@@ -30,9 +30,7 @@ retry-after instead of queueing them behind calls that would time out (issue 11:
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -45,6 +43,7 @@ from services.logging import get_logger
 
 from . import metrics, queue_lua
 from .admission_book import Book, Lease, LocalLease, LocalLimits, Waiter
+from .admission_calls import MAX_EXTENSIONS, Batcher, Timed
 from .admission_settings import AdmissionSettings
 from .cluster_redis import open_redis
 from .ports import AdmitRequest
@@ -54,15 +53,9 @@ __all__ = ["Admission", "AdmissionSettings", "Admitting", "Lease"]
 log = get_logger(__name__)
 T = TypeVar("T")
 
-# The loop is "late" when a timer fires more than this after it was due: then an operation's
-# time ran on the loop, not in Redis, and it gets more time (at most _MAX_EXTENSIONS times).
-_LATE = 0.02
-_MAX_EXTENSIONS = 8
 # Longest wait of a hot-path call for its turn before new requests are refused (at most
 # op_timeout / 4): see `Admission.max_backlog`.
 _MAX_BACKLOG = 0.25
-_BUSY = 0.9         # the loop thread's CPU share at which the process counts as behind
-_WINDOW = 0.1       # seconds over which that share is measured
 _MAX_CHILDREN = 4096
 _OVERLOADED = Reason.ROUTER_OVERLOADED.value.lower()
 _REFUSAL_TEXT = {
@@ -84,214 +77,6 @@ def _retrieve(op: asyncio.Future[Any]) -> None:
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class _Timed:
-    """`Admission._watch` for a batched call, by callbacks: one timer per call, no task and no
-    `asyncio.wait` (those cost more than the call's own Python under load). `done(exc)` runs once:
-    with None when `op` answered (its outcome may still be a Redis error), or a TimeoutError when
-    Redis took longer than op_timeout of *its* time; `op` is never cancelled (see `_watch`)."""
-
-    __slots__ = ("_adm", "_batcher", "_done", "_due", "_extensions", "_hops", "_op", "_over", "_probe", "_t0",
-                 "_timer", "_what")
-
-    def __init__(self, adm: Admission, batcher: Batcher, op: asyncio.Future[Any], what: str,
-                 done: Callable[[BaseException | None], None]) -> None:
-        loop = asyncio.get_running_loop()
-        self._adm, self._batcher, self._op, self._what, self._done = adm, batcher, op, what, done
-        self._t0 = loop.time()
-        self._due = self._t0 + adm.settings.op_timeout
-        self._extensions = 0
-        self._over = False
-        self._hops, self._probe = 0, 0.0
-        self._timer = loop.call_at(self._due, self._check)
-        op.add_done_callback(self._answered)
-
-    def _answered(self, op: asyncio.Future[Any]) -> None:
-        if self._over:          # given up already: its late outcome goes to the batch's `_ran_late`
-            return
-        self._over = True
-        self._timer.cancel()
-        self._adm.redis_seconds(self._what).observe(asyncio.get_running_loop().time() - self._t0)
-        self._done(None)
-
-    def _check(self) -> None:
-        if self._op.done() or self._over:    # its done-callback is on its way
-            return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        late = now - self._due
-        if self._extensions >= _MAX_EXTENSIONS:
-            self._time_out(now)
-            return
-        # A loop that is behind (busy all the time) may hold the reply unread: as late as a stall.
-        if late > _LATE or self._batcher.loop_behind(now):
-            self._extend(now, late)
-            return
-        # On time, by the timer and the CPU share. A reply already read still needs two loop
-        # iterations to complete the call (redis-py's task resumes, then its future's callbacks), and
-        # on a loop whose iterations are long (or a thread short of CPU on a shared host) those show
-        # what the timer cannot: so the verdict waits two iterations and times them.
-        self._hops, self._probe = 0, now
-        loop.call_soon(self._confirm)
-
-    def _confirm(self) -> None:
-        if self._op.done() or self._over:
-            return
-        loop = asyncio.get_running_loop()
-        self._hops += 1
-        if self._hops < 2:
-            loop.call_soon(self._confirm)
-            return
-        now = loop.time()
-        if now - self._probe > _LATE:   # two iterations took longer than a late timer: the loop is behind
-            self._extend(now, now - self._probe)
-        else:
-            self._time_out(now)
-
-    def _time_out(self, now: float) -> None:
-        self._over = True
-        metrics.REDIS_FAILURES.labels(self._what, "timeout").inc()
-        self._adm.redis_seconds(self._what).observe(now - self._t0)
-        self._done(asyncio.TimeoutError(f"no reply in {now - self._t0:.3f}s"))
-
-    def _extend(self, now: float, late: float) -> None:
-        """The loop was stalled or saturated, and the reply may be waiting in the socket (see `_watch`)."""
-        self._extensions += 1
-        self._due = now + min(self._adm.settings.op_timeout, max(0.1, 2 * late, self._batcher.lag))
-        self._timer = asyncio.get_running_loop().call_at(self._due, self._check)
-
-
-_Entry = tuple[list[Any], "asyncio.Future[list[Any]]", "Callable[[list[Any]], None] | None", float]
-
-
-class Batcher:
-    """Calls of one script submitted in the same event-loop iteration go out as ONE call: one round
-    trip, one script start, one pack of the arguments — under load a call carries many requests.
-
-    At most `max_calls` calls of the script are in flight: what is submitted meanwhile waits and goes
-    out in one call when one answers, so the busier the process, the larger (and cheaper per request)
-    its calls, instead of more calls than its connections and its CPU can serve. When a call times
-    out (Redis stalled), what waits for its turn fails with it: so every entry is still decided
-    within op_timeout of being added, as when each had its own call. `behind()` is how long the
-    oldest entry not yet sent has waited *while this process is behind* (its loop busy all the
-    time, or late): `Admission.admit` refuses new requests early (ROUTER_OVERLOADED) while it is
-    beyond a bound, rather than letting them and the settles behind them time out. A stalled Redis
-    with an idle loop is not "behind": that wait ends in the configured failure (fail open or
-    closed) as before.
-
-    `add(args)` returns a future of this entry's slice of the reply (`width` values); the grants
-    that follow the entries go to the book. A caller that stops waiting leaves its entry in the
-    call; `late(slice)`, when given, receives the slice of an entry whose caller stopped waiting or
-    whose call timed out and then ran after all."""
-
-    def __init__(self, admission: Admission, script: str, width: int, max_batch: int = 128,
-                 max_calls: int = 2) -> None:
-        self._admission, self._script, self._width, self._max = admission, script, width, max_batch
-        self._what = script.lower()
-        self._max_calls = max(1, max_calls)
-        self._pending: list[_Entry] = []
-        self._scheduled = False
-        self._scheduled_at = 0.0
-        self.in_flight = 0
-        # How busy and how late this process's loop is, measured by the flushes: the loop thread's
-        # CPU share over the last window, and how late the last flush ran after it was scheduled.
-        self._window = (0.0, 0.0)
-        self.busy = 0.0
-        self.lag = 0.0
-        self._flushed_at = 0.0
-
-    def add(self, args: list[Any], late: Callable[[list[Any]], None] | None = None) -> asyncio.Future[list[Any]]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[list[Any]] = loop.create_future()
-        now = loop.time()
-        self._pending.append((args, fut, late, now))
-        if not self._scheduled and self.in_flight < self._max_calls:
-            self._scheduled = True
-            self._scheduled_at = now
-            loop.call_soon(self._flush)
-        return fut
-
-    def behind(self) -> float:
-        """Seconds the oldest entry not yet sent has waited, when this process is behind (else 0.0)."""
-        if not self._pending:
-            return 0.0
-        now = asyncio.get_running_loop().time()
-        return now - self._pending[0][3] if self.loop_behind(now) else 0.0
-
-    def loop_behind(self, now: float) -> bool:
-        """This process's loop is busy all the time or late (rather than waiting for Redis)."""
-        self._measure(now)
-        return self.busy >= _BUSY or (self.lag if now - self._flushed_at < 2 * _WINDOW else 0.0) >= _LATE or (
-            self._scheduled and now - self._scheduled_at >= _LATE)
-
-    def _measure(self, now: float) -> None:
-        t0, cpu0 = self._window
-        if now - t0 >= _WINDOW:
-            cpu = time.thread_time()
-            self.busy = (cpu - cpu0) / (now - t0) if t0 else 0.0
-            self._window = (now, cpu)
-
-    def _flush(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._scheduled = False
-        now = self._flushed_at = loop.time()
-        self.lag = now - self._scheduled_at
-        self._measure(now)
-        while self._pending and self.in_flight < self._max_calls:
-            batch = self._pending[:self._max]
-            del self._pending[:self._max]
-            self._send(batch)
-
-    def _send(self, batch: list[_Entry]) -> None:
-        flat: list[Any] = [len(batch)]
-        for entry in batch:
-            flat.extend(entry[0])
-        self.in_flight += 1
-        op = self._admission.call(self._script, *flat)
-        self._admission._track(op)      # close() waits for it
-        _Timed(self._admission, self, op, self._what, lambda exc: self._answered(op, batch, exc))
-
-    def _answered(self, op: asyncio.Future[Any], batch: list[_Entry], exc: BaseException | None) -> None:
-        self.in_flight -= 1
-        try:
-            if exc is None:
-                if op.cancelled():      # only at close
-                    exc = RedisConnectionError("admission store call cancelled")
-                else:
-                    exc = op.exception()
-            if exc is None:
-                self._deliver(op.result(), batch, late_only=False)
-                return
-            failed = batch
-            if not op.done():   # timed out: it may still run; what waits behind it fails with it
-                op.add_done_callback(functools.partial(self._ran_late, batch=batch))
-                failed = batch + self._pending
-                self._pending = []
-            for entry in failed:
-                fut = entry[1]
-                if not fut.done():
-                    fut.set_exception(exc)
-        finally:
-            if self._pending and not self._scheduled:
-                loop = asyncio.get_running_loop()
-                self._scheduled = True
-                self._scheduled_at = loop.time()
-                loop.call_soon(self._flush)
-
-    def _ran_late(self, op: asyncio.Future[Any], batch: list[_Entry]) -> None:
-        if not op.cancelled() and op.exception() is None:
-            self._deliver(op.result(), batch, late_only=True)
-
-    def _deliver(self, reply: list[Any], batch: list[_Entry], late_only: bool) -> None:
-        w = self._width
-        for i, (_, fut, late, _) in enumerate(batch):
-            part = reply[i * w:(i + 1) * w]
-            if not late_only and not fut.done():
-                fut.set_result(part)
-            elif late is not None:
-                late(part)
-        self._admission.book.notices(reply[len(batch) * w:])
 
 
 class Admitting:
@@ -343,7 +128,7 @@ class Admission:
         self.router_id = router_id or uuid.uuid4().hex[:16]
         # redis-py's own timeouts are loop timers too, so they are only a backstop far beyond
         # op_timeout; `_watch` times operations. Retried once on a fresh connection.
-        backstop = settings.op_timeout * (_MAX_EXTENSIONS + 2)
+        backstop = settings.op_timeout * (MAX_EXTENSIONS + 2)
         self.redis = open_redis(settings.redis_url, backstop, connect_timeout=settings.op_timeout,
                                 max_connections=settings.max_connections, retry_on=[RedisConnectionError],
                                 **settings.redis_options())
@@ -441,37 +226,23 @@ class Admission:
         return await self._watch(self.call(script, *args), script.lower())
 
     async def _watch(self, op: asyncio.Future[T], what: str) -> T:
-        """`op`'s result within op_timeout of *Redis's* time. Never cancels `op` (a command cut off
-        mid-reply would poison its connection); a caller cancelled here leaves it running."""
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        due = t0 + self.settings.op_timeout
-        extensions = 0
+        """`op`'s result within op_timeout of *Redis's* time (`Timed`'s rule, awaited). Never cancels
+        `op` (a command cut off mid-reply would poison its connection); a caller cancelled here
+        leaves it running, tracked."""
+        verdict: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+        def done(exc: BaseException | None) -> None:
+            if not verdict.done():
+                verdict.set_result(exc)
+        Timed(self, None, op, what, done)
         try:
-            while True:
-                await asyncio.wait((op,), timeout=max(0.0, due - loop.time()))
-                if op.done():
-                    return op.result()
-                late = loop.time() - due
-                if late <= _LATE and extensions < _MAX_EXTENSIONS:
-                    # On time by the timer: confirm over two loop iterations (see `_Timed._check`).
-                    probe = loop.time()
-                    for _ in range(2):
-                        await asyncio.sleep(0)
-                    if op.done():
-                        return op.result()
-                    late = max(late, loop.time() - probe)
-                if late <= _LATE or extensions >= _MAX_EXTENSIONS:
-                    metrics.REDIS_FAILURES.labels(what, "timeout").inc()
-                    raise asyncio.TimeoutError(f"no reply in {loop.time() - t0:.3f}s")
-                # The timer ran late: the loop was stalled or saturated, and the reply may be waiting
-                # in the socket. Give it the loop's lateness again (at least 0.1 s).
-                extensions += 1
-                due = loop.time() + min(self.settings.op_timeout, max(0.1, 2 * late))
+            exc = await verdict
         finally:
-            self.redis_seconds(what).observe(loop.time() - t0)
             if not op.done():   # given up (timeout) or the caller cancelled: it runs on, tracked
                 self._track(op)
+        if exc is not None:
+            raise exc
+        return op.result()
 
     def _store_failure(self, exc: BaseException, what: str) -> TokenrelayError:
         if isinstance(exc, OutOfMemoryError):
