@@ -18,15 +18,15 @@ import itertools
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import pytest
 import redis.asyncio as aioredis
 
 from services.channels import CHANNEL_OPTIONS, open_channel
-from services.errors import REASON_KEY
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.e2e.ledger import Stream, follow
 from tests.e2e.prockit import Procs
 from tests.redisproc import RedisProc
 from tests.waiting import poll
@@ -44,11 +44,8 @@ CLIENT_TIMEOUT = 30.0     # far beyond any request's own work: reaching it is a 
 
 
 @dataclass
-class Outcome:
-    router: str
-    accepted: bool = False
-    positions: list[int] = field(default_factory=list)
-    terminals: list[str] = field(default_factory=list)   # "done", or "CODE/REASON"
+class Outcome(Stream):
+    router: str = ""
 
 
 class Ledger:
@@ -58,32 +55,18 @@ class Ledger:
 
     async def one(self, stub: inference_pb2_grpc.InferenceStub, router: str, request_id: str,
                   max_tokens: int = 12) -> None:
-        out = self.outcomes.setdefault(request_id, Outcome(router))
+        out = self.outcomes.setdefault(request_id, Outcome(router=router))
         call = stub.Generate(inference_pb2.GenerateRequest(
             prompt="ledger", request_id=request_id,
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
             metadata=METADATA, timeout=self.timeout)
-        try:
-            async for msg in call:
-                kind = msg.WhichOneof("event")
-                if kind == "accepted":
-                    out.accepted = True
-                    out.positions.append(msg.accepted.queue_position)
-                elif kind == "done":
-                    out.terminals.append("done")
-        except grpc.aio.AioRpcError as err:
-            reason = dict(err.trailing_metadata() or ()).get(REASON_KEY, "")
-            if not reason:
-                # A deadline the *client* set has no tokenrelay reason: the request hung. UNAVAILABLE
-                # without one: the connection broke (its router died), which the client does see.
-                reason = "CLIENT_TIMEOUT" if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "CONNECTION_LOST"
-            out.terminals.append(f"{err.code().name}/{reason}")
+        await follow(call, out)
 
     def lost(self) -> list[tuple[str, Outcome]]:
         """Accepted requests without exactly one terminal state, and any request that hung until the
         client gave up (accepted or not: a hang is never an answer)."""
         return [(rid, o) for rid, o in self.outcomes.items()
-                if (o.accepted and len(o.terminals) != 1) or any(t.endswith("CLIENT_TIMEOUT") for t in o.terminals)]
+                if (o.accepted and len(o.terminals) != 1) or o.hung()]
 
     def summary(self) -> Counter[str]:
         return Counter(t.split("/")[-1] if t != "done" else t for o in self.outcomes.values() for t in o.terminals)

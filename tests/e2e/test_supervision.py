@@ -17,13 +17,11 @@ import signal
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-
-import grpc
+from dataclasses import dataclass
 
 from services.channels import CHANNEL_OPTIONS, open_channel
-from services.errors import REASON_KEY
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.e2e.ledger import Stream, follow
 from tests.meshkit import RunningMesh, scrape, start_mesh, stop_mesh
 from tests.waiting import poll
 from tokenrelay_tools.cli.main import _status
@@ -34,12 +32,9 @@ DEADLINE = 20.0       # far beyond any request's own work: a call that reaches i
 
 
 @dataclass
-class Outcome:
-    started: float
+class Outcome(Stream):
+    started: float = 0.0
     ended: float = 0.0
-    first_token: bool = False
-    positions: list[int] = field(default_factory=list)    # of its `accepted` messages (0: admitted at once)
-    terminals: list[str] = field(default_factory=list)   # "done", or "CODE/REASON"
 
 
 class Ledger:
@@ -50,34 +45,19 @@ class Ledger:
 
     async def one(self, stub: inference_pb2_grpc.InferenceStub, api_key: str, request_id: str,
                   max_tokens: int) -> Outcome:
-        out = self.outcomes[request_id] = Outcome(time.monotonic())
+        out = self.outcomes[request_id] = Outcome(started=time.monotonic())
         call = stub.Generate(inference_pb2.GenerateRequest(
             prompt="chaos ledger", request_id=request_id,
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
             metadata=(("authorization", f"Bearer {api_key}"),), timeout=DEADLINE)
-        try:
-            async for msg in call:
-                kind = msg.WhichOneof("event")
-                if kind == "delta":
-                    out.first_token = True
-                elif kind == "accepted":
-                    out.positions.append(msg.accepted.queue_position)
-                elif kind == "done":
-                    out.terminals.append("done")
-        except grpc.aio.AioRpcError as err:
-            reason = dict(err.trailing_metadata() or ()).get(REASON_KEY, "")
-            if not reason:
-                # No tokenrelay reason: the client's own deadline (a hang), or the connection broke
-                # (the router died), which its client does see.
-                reason = "CLIENT_DEADLINE" if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "CONNECTION_LOST"
-            out.terminals.append(f"{err.code().name}/{reason}")
+        await follow(call, out)
         out.ended = time.monotonic()
         return out
 
     def broken(self) -> list[tuple[str, Outcome]]:
         """Requests without exactly one terminal state, or that ran into the client's deadline."""
         return [(rid, o) for rid, o in self.outcomes.items()
-                if len(o.terminals) != 1 or o.terminals[0].endswith("CLIENT_DEADLINE")]
+                if len(o.terminals) != 1 or o.hung()]
 
     def summary(self, ended_since: float = 0.0) -> Counter[str]:
         return Counter(t for o in self.outcomes.values() if o.ended >= ended_since for t in o.terminals)
