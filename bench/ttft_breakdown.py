@@ -11,9 +11,12 @@ the router's child spans and the other services' server spans of the same trace:
 
   arrive->tokenize   the handler: auth, validation, the id claim's start
   tokenize           the Tokenize call as the router sees it; of which `tokenizer` is the server's span
-  ->admit            tokenize end to the admission call
+  ->admit            tokenize end to the admission call (negative: admission started while tokenizing,
+                     `--admit-while-tokenizing`)
   admit              the admission round trip (queue_wait span; queueing included when queued)
-  ->route            admission to the placement decision (Accepted, detokenizer session, engine task)
+  tokenize+admit     tokenize start to the later of the two ends: what the request waited for both
+  ->route            the later of tokenize and admission to the placement decision (Accepted,
+                     detokenizer session, engine task)
   route              the placement decision
   ->engine           route end to the engine's span start (the submit over the multiplexed stream)
   engine prefill     the engine's span start to its first_token event
@@ -34,7 +37,8 @@ import sys
 from collections import defaultdict
 from typing import Any
 
-PHASES = ("arrive->tokenize", "tokenize", "(tokenizer server)", "->admit", "admit", "->route", "route",
+PHASES = ("arrive->tokenize", "tokenize", "(tokenizer server)", "->admit", "admit", "tokenize+admit", "->route",
+          "route",
           "->engine", "engine prefill", "->router", "detok+write", "(->tokenizer)", "(tokenizer->delta)",
           "router TTFT", "mesh part (TTFT - prefill)")
 
@@ -77,7 +81,9 @@ def breakdown(path: str) -> dict[str, list[float]]:
             out["(tokenizer server)"].append((srv["end"] - srv["start"]) * ms)
         out["->admit"].append((adm["start"] - tok["end"]) * ms)
         out["admit"].append((adm["end"] - adm["start"]) * ms)
-        out["->route"].append((route["start"] - adm["end"]) * ms)
+        both = max(adm["end"], tok["end"])
+        out["tokenize+admit"].append((both - tok["start"]) * ms)
+        out["->route"].append((route["start"] - both) * ms)
         out["route"].append((route["end"] - route["start"]) * ms)
         out["->engine"].append((eng["start"] - route["end"]) * ms)
         out["engine prefill"].append((eng_first - eng["start"]) * ms)

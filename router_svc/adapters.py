@@ -101,7 +101,7 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
                  engine_attempts: int = 2, progress_timeout: float = 10.0, bounds: Any = None,
                  registry: Any = None, affinity: Any = None, gate: Any = None, placement: Any = None,
                  default_max_queued: int = 256, engine_migrations: int = 2, pools: Any = None,
-                 shadow: Any = None) -> Any:
+                 shadow: Any = None, admit_while_tokenizing: bool = True) -> Any:
     """A `pipeline.Router` over the concrete upstreams (`TokenizerUpstream`, `EnginePool`) and the
     admission queue (`admission.Admission`, a `ports.Admission` itself); registry / affinity /
     gate / placement default to the in-process ones. `app.py` and the tests wire through this."""
@@ -118,4 +118,4 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
                   placement or LeastLoaded(), affinity or LocalSessionAffinity(),
                   registry or LocalRequestRegistry(), gate or NoGate(), pools, shadow)
     return Router(ports, RouterOptions(request_timeout, engine_attempts, progress_timeout, bounds or DEFAULT_BOUNDS,
-                                       default_max_queued, engine_migrations))
+                                       default_max_queued, engine_migrations, admit_while_tokenizing))

@@ -59,6 +59,12 @@ class AdmissionSettings(Section):
                                   description="the class of each request priority (low, normal, high)")
     default_max_queued: int = Field(256, ge=0, le=1_000_000, description="requests a tenant may have queued "
                                     "when its tenants-file entry sets no max_queued")
+    admit_while_tokenizing: bool = Field(
+        True, description="send a text or chat request to admission while its prompt is being tokenized, with "
+                          "its prompt tokens estimated from the characters-per-token this router has seen (the "
+                          "settle charges what was used): the two round trips overlap instead of adding up. A "
+                          "refusal of the token budget on an estimate above the real count is asked again "
+                          "with the real count")
     max_queue_wait: float = Field(60.0, gt=0, le=3600, description="longest estimated wait (queue or token "
                                   "budget) a request is queued for; beyond it, or beyond its deadline, it is "
                                   "refused at once with a retry-after")

@@ -127,7 +127,8 @@ async def serve(settings: RouterSettings) -> None:
                           limits.max_role_chars, limits.max_content_chars, limits.default_max_tokens),
             gate=gate, registry=cluster.registry, affinity=cluster.sessions,
             default_max_queued=adm.default_max_queued, placement=placement,
-            engine_migrations=settings.routing.engine_migrations, pools=pools.selector, shadow=pools.shadow)
+            engine_migrations=settings.routing.engine_migrations, pools=pools.selector, shadow=pools.shadow,
+            admit_while_tokenizing=adm.admit_while_tokenizing)
         server = GrpcServer(settings.server.host, settings.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
                             security=settings.security, reuse_port=settings.cluster.reuse_port)
         add_to_server(InferenceServicer(router, tenants), server.server)

@@ -52,7 +52,7 @@ from .ports import (
     Shadow,
     Tokenize,
 )
-from .request import LocalRequestRegistry, RequestState
+from .request import LocalRequestRegistry, PromptEstimate, RequestState
 from .tenants import Tenant, tenant_limits
 from .types import Accepted, Delta, DetokOut, Done, Event, GenerateInput, Migrated
 from .validation import DEFAULT_BOUNDS, MAX_REQUEST_ID, Bounds, check_lengths, validate_input
@@ -62,6 +62,10 @@ _tracer = tracer("tokenrelay.router")
 
 # Prompt ids handed to the detokenizer for leading-space context.
 _DETOK_CONTEXT = 8
+# Refusals that depend on the request's token count: asked again with the real count when the
+# estimate an early admission went with was higher.
+_BUDGET_REFUSALS = frozenset({Reason.TOKEN_RATE_LIMITED, Reason.TOKEN_BUDGET_TOO_SMALL,
+                              Reason.QUEUE_WAIT_EXCEEDS_DEADLINE})
 
 
 class _OpenGate:
@@ -83,6 +87,7 @@ class RouterOptions:
     bounds: Bounds = DEFAULT_BOUNDS
     default_max_queued: int = 256     # a tenant's max_queued when its entry sets none
     engine_migrations: int = 2        # moves to another replica after the first token
+    admit_while_tokenizing: bool = True   # admission on an estimated prompt, alongside Tokenize
 
 
 @dataclass
@@ -126,6 +131,7 @@ class Router:
         self.stage = EngineStage(ports.engines, ports.placement, ports.affinity, o.engine_attempts,
                                  o.progress_timeout, o.engine_migrations, ports.pools, ports.shadow)
         self._live: dict[tuple[str, str], RequestState] = {}
+        self.estimate = PromptEstimate()
 
     @property
     def in_flight(self) -> int:
@@ -214,9 +220,7 @@ class Router:
         done: Done | None = None
         try:
             registry.on_cancel(tenant.name, state.request_id, state.cancel)
-            await tokenizing
-            check_lengths(state.prompt_ids, inp.sampling, tenant, self._max_context(), self.options.bounds)
-            admitting = await self._enqueue(tenant, state, rctx)
+            admitting = await self._tokenized_and_admitted(tenant, state, tokenizing, rctx)
             # From here on the queue entry or the lease is given back on every path: the client may
             # go away at any yield, a grant may land while a cancel is on its way.
             try:
@@ -247,6 +251,32 @@ class Router:
         if done is not None:
             yield done
 
+    async def _tokenized_and_admitted(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None],
+                                      rctx: Context) -> Admitting:
+        """The prompt tokenized and checked, and the request admitted (granted or queued). With
+        `admit_while_tokenizing` and an estimate of its prompt (`PromptEstimate`), the admission round
+        trip runs alongside Tokenize; an early admission the request turns out not to need (tokenizing
+        or its length checks failed, the client left) is given back at once."""
+        estimate = self.estimate.tokens(state.inp) if self.options.admit_while_tokenizing else None
+        if estimate is None:
+            await tokenizing
+            check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
+            return await self._enqueue(tenant, state, rctx)
+        early = asyncio.ensure_future(self._enqueue(tenant, state, rctx, estimate + state.inp.sampling.max_tokens))
+        try:
+            await tokenizing
+            check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
+        except BaseException:
+            await _give_back(early, state)
+            raise
+        try:
+            return await early
+        except TokenrelayError as exc:
+            # Refused on the estimate's token count, which was above the real one: ask with the real one.
+            if exc.reason in _BUDGET_REFUSALS and len(state.prompt_ids) < estimate:
+                return await self._enqueue(tenant, state, rctx)
+            raise
+
     async def _tokenize(self, tenant: Tenant, state: RequestState, rctx: Context) -> None:
         inp, tok = state.inp, self.ports.tokenizer
         t = time.monotonic()
@@ -263,12 +293,16 @@ class Router:
                                                       allow_special_tokens=tenant.allow_control_tokens)
         state.t_tokenized = time.monotonic()
         state.timings.tokenize_seconds = state.t_tokenized - t
+        if inp.token_ids is None:
+            self.estimate.observe(inp, len(state.prompt_ids))
         state.check_deadline()
 
-    async def _enqueue(self, tenant: Tenant, state: RequestState, rctx: Context) -> Admitting:
-        """One round trip: granted at once, queued (with its position), or refused."""
+    async def _enqueue(self, tenant: Tenant, state: RequestState, rctx: Context, cost: int = 0) -> Admitting:
+        """One round trip: granted at once, queued (with its position), or refused. `cost`: the
+        request's estimated tokens when its prompt is not tokenized yet (else prompt + max_tokens)."""
         limits = tenant_limits(tenant, self.options.default_max_queued)
-        request = AdmitRequest(tenant.name, state.request_id, state.priority, state.cost, state.remaining(), *limits)
+        request = AdmitRequest(tenant.name, state.request_id, state.priority, cost or state.cost, state.remaining(),
+                               *limits)
         try:
             with _tracer.start_as_current_span("queue_wait", context=rctx):   # the enqueue round trip
                 async with asyncio.timeout(state.remaining()):
@@ -471,6 +505,18 @@ async def _discard(task: asyncio.Future[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+async def _give_back(admitting: asyncio.Future[Admitting], state: RequestState) -> None:
+    """An admission not wanted after all: stopped if still on its way, settled (or taken out of
+    the queue) if it came back."""
+    if not admitting.done():
+        admitting.cancel()
+    try:
+        got = await asyncio.shield(admitting) if not admitting.done() else admitting.result()
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - refused or cut off: nothing is held
+        return
+    await _end_admission(got, state)
 
 
 async def _end_admission(admitting: Admitting, state: RequestState) -> None:

@@ -86,6 +86,41 @@ class RequestState:
         self.cancelled.set()
 
 
+class PromptEstimate:
+    """A text or chat request's prompt tokens before it is tokenized, from the tokens per character
+    this router has seen for that kind of input (an exponential average over the last ~`1/alpha`):
+    admission can then run while the prompt is tokenized. None until `warm` inputs of the kind were
+    seen, and for token-id input (its count is known)."""
+
+    def __init__(self, warm: int = 16, alpha: float = 0.1) -> None:
+        self.warm, self.alpha = warm, alpha
+        self._ratio: dict[str, float] = {}
+        self._seen: dict[str, int] = {}
+
+    @staticmethod
+    def _chars(inp: GenerateInput) -> tuple[str, int]:
+        if inp.prompt is not None:
+            return "text", len(inp.prompt)
+        if inp.messages is not None:
+            return "chat", sum(len(role) + len(content) for role, content in inp.messages)
+        return "", 0
+
+    def observe(self, inp: GenerateInput, tokens: int) -> None:
+        kind, chars = self._chars(inp)
+        if not kind or chars <= 0:
+            return
+        ratio = tokens / chars
+        old = self._ratio.get(kind)
+        self._ratio[kind] = ratio if old is None else old + self.alpha * (ratio - old)
+        self._seen[kind] = self._seen.get(kind, 0) + 1
+
+    def tokens(self, inp: GenerateInput) -> int | None:
+        kind, chars = self._chars(inp)
+        if not kind or self._seen.get(kind, 0) < self.warm:
+            return None
+        return max(1, round(self._ratio[kind] * chars))
+
+
 class LocalRequestRegistry:
     """`ports.RequestRegistry` for one router process: (tenant, id) → cancel callbacks.
 

@@ -70,3 +70,30 @@ async def test_cancelling_queued_requests_while_grants_land_leaks_nothing(redis_
     finally:
         await a.close()
         await view.close()
+
+
+async def test_an_early_admission_whose_request_stops_while_tokenizing_leaves_nothing(redis_url) -> None:
+    # Admission alongside Tokenize (on by default, once the estimate is warm): whether the request
+    # is cut off while its enqueue is in flight or after the grant landed, no lease or entry stays.
+    a = admission(redis_url, pool_capacity=4)
+    view = PoolView(redis_url, a.settings.pool)
+    c = core(admission=a)
+    try:
+        for i in range(16):
+            assert [e async for e in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=2), prompt="hi",
+                                                                                 request_id=f"w{i}"))]
+        for delay in (0.0, 0.0005, 0.002, 0.05):
+            c.tokenizer.gate = asyncio.Event()
+            run = asyncio.ensure_future(anext(c.router.generate(TENANT, GenerateInput(
+                Sampling(max_tokens=2), prompt="hi", request_id=f"cut{delay}"))))
+            await asyncio.sleep(delay)
+            if delay >= 0.05:
+                assert await view.leases() == 1     # granted while its prompt was still being tokenized
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await poll(lambda: _empty(view), timeout=5, what="nothing held")
+            assert not a.book.leases
+        assert c.router.in_flight == 0
+    finally:
+        await a.close()
+        await view.close()

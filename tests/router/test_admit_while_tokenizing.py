@@ -1,0 +1,153 @@
+"""Admission alongside Tokenize (`--admit-while-tokenizing`, on by default): once the router has
+seen enough prompts of a kind to estimate tokens per character, a text or chat request goes to
+admission while its prompt is tokenized, so the two round trips overlap. Nothing it was granted is
+kept when the request does not go on; a token-budget refusal on an over-estimate is asked again
+with the real count."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from router_svc.ports import AdmitRequest
+from router_svc.request import PromptEstimate
+from router_svc.types import Done, GenerateInput, Sampling
+from services.errors import Reason, TokenrelayError
+from tests.router.core_fakes import TENANT, FakeAdmission, FakeAdmitting, core
+from tests.waiting import poll
+
+MAX_TOKENS = 8
+
+
+def _inp(prompt: str = "hello world", **kw: Any) -> GenerateInput:
+    return GenerateInput(Sampling(max_tokens=MAX_TOKENS), prompt=prompt, **kw)
+
+
+async def _drain(gen: Any) -> list[Any]:
+    return [e async for e in gen]
+
+
+async def _warm(c: Any, n: int = 16) -> None:
+    for i in range(n):
+        events = await _drain(c.router.generate(TENANT, _inp(request_id=f"w{i}")))
+        assert isinstance(events[-1], Done)
+
+
+def test_the_estimate_learns_tokens_per_character_per_kind_of_input() -> None:
+    est = PromptEstimate(warm=3, alpha=0.5)
+    text, chat = GenerateInput(Sampling(8), prompt="x" * 100), GenerateInput(Sampling(8), messages=[("user", "x" * 96)])
+    ids = GenerateInput(Sampling(8), token_ids=[1, 2, 3])
+    for _ in range(2):
+        est.observe(text, 25)
+    assert est.tokens(text) is None                     # not warm yet
+    est.observe(text, 25)
+    assert est.tokens(text) == 25 and est.tokens(GenerateInput(Sampling(8), prompt="y" * 400)) == 100
+    assert est.tokens(chat) is None and est.tokens(ids) is None     # chat is its own kind; ids need none
+    est.observe(text, 75)                               # an exponential average, not the last value
+    assert est.tokens(text) == 50
+    for _ in range(3):
+        est.observe(chat, 50)
+    assert est.tokens(chat) == 50
+
+
+async def test_admission_runs_while_the_prompt_is_tokenized() -> None:
+    c = core()
+    await _warm(c)
+    c.tokenizer.gate = asyncio.Event()                  # the next Tokenize waits
+    before = len(c.admission.requests)
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="r"))))
+    await poll(lambda: len(c.admission.requests) > before, what="admission before the prompt is tokenized")
+    assert not run.done() and c.tokenizer.calls == 17
+    # The fake tokenizer makes one token per character: the estimate is exact here.
+    assert c.admission.requests[-1].cost == len("hello world") + MAX_TOKENS
+    c.tokenizer.gate.set()
+    events = await asyncio.wait_for(run, 5)
+    assert isinstance(events[-1], Done) and c.admission.held == set()
+
+
+async def test_off_admission_waits_for_the_prompt() -> None:
+    c = core(admit_while_tokenizing=False)
+    await _warm(c)
+    c.tokenizer.gate = asyncio.Event()
+    before = len(c.admission.requests)
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="r"))))
+    await poll(lambda: c.tokenizer.calls == 17)
+    await asyncio.sleep(0.05)
+    assert len(c.admission.requests) == before
+    c.tokenizer.gate.set()
+    assert isinstance((await asyncio.wait_for(run, 5))[-1], Done)
+
+
+async def test_a_tokenize_that_fails_gives_the_early_grant_back() -> None:
+    c = core()
+    await _warm(c)
+    gate = asyncio.Event()
+
+    async def failing(**_: Any) -> list[int]:
+        await gate.wait()
+        raise Reason.UPSTREAM_UNAVAILABLE.error("tokenizer gone")
+    c.tokenizer.tokenize = failing  # type: ignore[method-assign]
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="r"))))
+    await poll(lambda: (TENANT.name, "r") in c.admission.held, what="the early grant")
+    gate.set()
+    with pytest.raises(TokenrelayError) as info:
+        await asyncio.wait_for(run, 5)
+    assert info.value.reason == Reason.UPSTREAM_UNAVAILABLE
+    assert c.admission.held == set() and c.router.in_flight == 0
+
+
+async def test_a_client_gone_while_tokenizing_gives_the_early_grant_back() -> None:
+    c = core()
+    await _warm(c)
+    c.tokenizer.gate = asyncio.Event()
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="r"))))
+    await poll(lambda: (TENANT.name, "r") in c.admission.held, what="the early grant")
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    await poll(lambda: c.admission.held == set(), what="the grant given back")
+    assert c.router.in_flight == 0
+
+
+async def test_a_too_long_prompt_found_after_an_early_grant_gives_it_back() -> None:
+    c = core()
+    await _warm(c)
+    with pytest.raises(TokenrelayError) as info:        # the context (4096) is checked on the real ids
+        await _drain(c.router.generate(TENANT, _inp("x" * 5000, request_id="long")))
+    assert info.value.reason in (Reason.PROMPT_TOO_LONG, Reason.CONTEXT_LENGTH_EXCEEDED)
+    assert len(c.admission.requests) == 17              # it was admitted early...
+    assert c.admission.held == set()                    # ...and given back
+
+
+class _Budget(FakeAdmission):
+    """Refuses a request whose cost is above `limit` (a tenant's whole token budget)."""
+
+    limit = 1_000_000
+
+    async def admit(self, request: AdmitRequest) -> FakeAdmitting:
+        if request.cost > self.limit:
+            self.requests.append(request)
+            raise Reason.TOKEN_BUDGET_TOO_SMALL.error("over the budget")
+        return await super().admit(request)
+
+
+async def test_a_budget_refusal_on_an_over_estimate_is_asked_again_with_the_real_count() -> None:
+    adm = _Budget()
+    c = core(admission=adm)
+    await _warm(c)
+    real = c.tokenizer.tokenize
+
+    async def compact(**kw: Any) -> list[int]:         # this prompt tokenizes to 10x fewer ids
+        ids = await real(**kw)
+        return ids[: max(1, len(ids) // 10)]
+    c.tokenizer.tokenize = compact  # type: ignore[method-assign]
+    adm.limit = 200 + MAX_TOKENS                        # the estimate (1,000) is over it; the real 100 is not
+    events = await _drain(c.router.generate(TENANT, _inp("y" * 1000, request_id="big")))
+    assert isinstance(events[-1], Done)
+    assert [r.cost for r in adm.requests[-2:]] == [1000 + MAX_TOKENS, 100 + MAX_TOKENS]
+    adm.limit = 50                                      # over the budget for real: refused, once asked again
+    with pytest.raises(TokenrelayError) as info:
+        await _drain(c.router.generate(TENANT, _inp("y" * 1000, request_id="big2")))
+    assert info.value.reason == Reason.TOKEN_BUDGET_TOO_SMALL and adm.held == set()
