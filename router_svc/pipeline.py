@@ -258,17 +258,17 @@ class Router:
         trip runs alongside Tokenize; an early admission the request turns out not to need (tokenizing
         or its length checks failed, the client left) is given back at once."""
         estimate = self.estimate.tokens(state.inp) if self.options.admit_while_tokenizing else None
-        if estimate is None:
-            await tokenizing
-            check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
-            return await self._enqueue(tenant, state, rctx)
-        early = asyncio.ensure_future(self._enqueue(tenant, state, rctx, estimate + state.inp.sampling.max_tokens))
+        early = None if estimate is None else asyncio.ensure_future(
+            self._enqueue(tenant, state, rctx, estimate + state.inp.sampling.max_tokens))
         try:
             await tokenizing
             check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
         except BaseException:
-            await _give_back(early, state)
+            if early is not None:
+                await _give_back(early, state)
             raise
+        if early is None or estimate is None:
+            return await self._enqueue(tenant, state, rctx)
         try:
             return await early
         except TokenrelayError as exc:
@@ -510,10 +510,9 @@ async def _discard(task: asyncio.Future[None]) -> None:
 async def _give_back(admitting: asyncio.Future[Admitting], state: RequestState) -> None:
     """An admission not wanted after all: stopped if still on its way, settled (or taken out of
     the queue) if it came back."""
-    if not admitting.done():
-        admitting.cancel()
+    admitting.cancel()          # a no-op once it came back
     try:
-        got = await asyncio.shield(admitting) if not admitting.done() else admitting.result()
+        got = await asyncio.shield(admitting)
     except (asyncio.CancelledError, Exception):  # noqa: BLE001 - refused or cut off: nothing is held
         return
     await _end_admission(got, state)
