@@ -81,6 +81,7 @@ class Bench:
         self.args, self.mesh, self.workers = args, mesh, workers
         self.C = mesh.capacity
         self.seq = 0
+        self.last_routers: dict[str, float] = {}   # the routers' counters over the last phase (Mesh.router_stats)
 
     def run(self, name: str, flows: list[Flow]) -> tuple[list[Rec], dict[str, Any]]:
         a = self.args
@@ -92,7 +93,12 @@ class Bench:
         timer = threading.Timer(lead + a.warmup + 0.8 * a.seconds, lambda: samples.append(self.mesh.pool_state()))
         timer.start()
         t = time.monotonic()
+        before = self.mesh.router_stats()
         recs = self.workers.run(phase)
+        after = self.mesh.router_stats()
+        wall = time.monotonic() - t
+        self.last_routers = {k: after[k] - before[k] for k in after}
+        self.last_routers["cpu_per_router"] = self.last_routers["cpu_s"] / wall / len(self.mesh.routers)
         timer.cancel()
         self.mesh.drain()
         state = samples[0] if samples else {}
@@ -193,6 +199,7 @@ class Bench:
         flows = [Flow("over1", rate=rate / 2, timeout=30.0), Flow("over2", rate=rate / 2, timeout=3.0),
                  Flow(PROBE, rate=max(5.0, rate / 20))]
         recs, _ = self.run("d/overload", flows)
+        routers = dict(self.last_routers)
         client_lag = [x * 1000 for x in self.workers.last_lags]
         probe = [(r.end - r.start) * 1000 for r in measured(recs, w, {PROBE}) if r.end is not None]
         recs = [r for r in recs if r.tenant != PROBE]
@@ -212,11 +219,19 @@ class Bench:
                 "refused": len(refused), "rejection_ms": [percentile(lat, 50), percentile(lat, 99)], "reasons": table,
                 "floor_ms": [percentile(probe, 50), percentile(probe, 99)], "floor_calls": len(probe),
                 "client_loop_lag_ms": [percentile(client_lag, 50), percentile(client_lag, 99)],
+                "routers": routers,
                 "checks": [check("goodput / capacity alone", goodput / capacity if capacity else 0.0, ">=", 0.95),
                            check("rejection latency p99 (ms)", percentile(lat, 99), "<=", 10.0),
                            check("rejection p99 - floor p99 (ms): admission's part", percentile(lat, 99)
                                  - percentile(probe, 99), "info"),
                            check("load processes' own loop lag p99 (ms): the client's part", percentile(client_lag, 99),
+                                 "info"),
+                           check("router CPU per process over the phase (cores)", routers["cpu_per_router"], "info"),
+                           check("router loop lags > 10 ms / > 50 ms (of 10 ms timer samples)",
+                                 f"{routers['lag_over_10ms']:.0f} / {routers['lag_over_50ms']:.0f} of "
+                                 f"{routers['lag_samples']:.0f}", "info"),
+                           check("router GC collections > 10 ms (of all; seconds in GC)",
+                                 f"{routers['gc_over_10ms']:.0f} of {routers['gc']:.0f}; {routers['gc_s']:.3f} s",
                                  "info")]}
 
 

@@ -100,6 +100,43 @@ class Mesh:
         self.routers = [self.procs.wait_port(f"router{i}", p) for i, p in enumerate(ports)]
         self.capacity = args.batch * args.engines
 
+    def router_stats(self) -> dict[str, float]:
+        """The routers' own counters, summed: CPU seconds, event-loop lag samples (10 ms timer) and
+        late ones, cyclic-GC collections and those over 10 ms. Two snapshots around a phase say
+        whether a latency tail is the routers' (a busy or stalled loop) or the clients'."""
+        import urllib.request
+
+        import psutil
+
+        out = {"cpu_s": 0.0, "lag_samples": 0.0, "lag_over_10ms": 0.0, "lag_over_50ms": 0.0, "gc": 0.0,
+               "gc_over_10ms": 0.0, "gc_s": 0.0}
+        for i in range(len(self.routers)):
+            t = psutil.Process(self.procs.procs[f"router{i}"].pid).cpu_times()
+            out["cpu_s"] += t.user + t.system
+            port = (self.work / f"router{i}.metrics-port").read_text().strip()
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            for line in text.splitlines():
+                if line.startswith("#") or " " not in line:
+                    continue
+                name, value = line.rsplit(" ", 1)
+                v = float(value)
+                if name == "tokenrelay_router_loop_lag_seconds_count":
+                    out["lag_samples"] += v
+                elif name == 'tokenrelay_router_loop_lag_seconds_bucket{le="0.01"}':
+                    out["lag_over_10ms"] -= v
+                elif name == 'tokenrelay_router_loop_lag_seconds_bucket{le="0.05"}':
+                    out["lag_over_50ms"] -= v
+                elif name.startswith("tokenrelay_gc_pause_seconds_count"):
+                    out["gc"] += v
+                elif name.startswith("tokenrelay_gc_pause_seconds_sum"):
+                    out["gc_s"] += v
+                elif name.startswith("tokenrelay_gc_pause_seconds_bucket") and 'le="0.01"' in name:
+                    out["gc_over_10ms"] -= v
+        out["lag_over_10ms"] += out["lag_samples"]
+        out["lag_over_50ms"] += out["lag_samples"]
+        out["gc_over_10ms"] += out["gc"]
+        return out
+
     def _redis(self) -> Any:
         import redis
 

@@ -34,6 +34,8 @@ def ms(v: float | None) -> str:
 def _num(v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
+    if isinstance(v, str):
+        return v
     return f"{v:,.3f}" if isinstance(v, float) and abs(v) < 10 else f"{v:,.1f}"
 
 
