@@ -286,8 +286,12 @@ class Admission:
                 f"this router's admission calls wait {backlog * 1000:.0f} ms for their turn (limit "
                 f"{self.max_backlog * 1000:.0f} ms): the process is behind",
                 retry_after=min(2.0, 0.05 + 2 * backlog))
-        member = f"{req.tenant}:{req.request_id}"
-        waiter = Waiter(member, req, cls, os.urandom(6).hex())
+        # The entry is this call's own (its nonce in the name): an admission started before the id
+        # claim was answered (the router's early admission) never touches another router's entry
+        # of the same id. Retried script calls keep the name, so they still count once.
+        nonce = os.urandom(6).hex()
+        member = f"{req.tenant}:{req.request_id}~{nonce}"
+        waiter = Waiter(member, req, cls, nonce)
         self.book.waiting[member] = waiter     # a grant message may come before the reply
         remaining_ms = int(req.deadline * 1000) if req.deadline > 0 else 0
         # A caller that gives up (cancelled, its deadline) or a call that times out while Redis may

@@ -287,17 +287,20 @@ class RedisRequestRegistry:
         self._local.drop(tenant, request_id)
         return False
 
-    async def release(self, tenant: str, request_id: str) -> None:
-        """Local at once; the Redis key goes in the next pipeline and is awaited (bounded), so a
-        client holding its `done` may reuse the id on any router. A failed delete is retried by
-        the heartbeat (else the key expires); a caller cancelled meanwhile does not stop it."""
+    async def release(self, tenant: str, request_id: str, wait: bool = True) -> None:
+        """Local at once; the Redis key goes in the next pipeline and, with `wait`, is awaited
+        (bounded), so a client holding its `done` may reuse the id on any router. Without `wait`
+        an id reused before the delete lands is taken over (`claim` asks this router, which no
+        longer holds it). A failed delete is retried by the heartbeat (else the key expires); a
+        caller cancelled meanwhile does not stop it."""
         if not self._local.drop(tenant, request_id):
             return
         key = self._c.key("rid", tenant, request_id)
         fut = self._c.pipe.submit_keyed(_RELEASE, key, self._c.router_id)
         fut.add_done_callback(functools.partial(self._release_done, key))
-        with contextlib.suppress(*REDIS_ERRORS):
-            await asyncio.shield(fut)
+        if wait:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await asyncio.shield(fut)
 
     def _release_done(self, key: str, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled() or fut.exception() is not None:

@@ -205,22 +205,27 @@ class Router:
         tenant.resolve_priority(inp.priority)
         state.check_deadline()
         # The prompt is tokenized while the id claim (a Redis round trip with several routers) is
-        # answered; nothing reaches the client, admission or an engine before it is. The claim is
-        # taken before its first await: a second identical id of this tenant fails, the first runs.
+        # answered, and — on an estimate of its prompt — admitted meanwhile too (`_early`): nothing
+        # reaches the client or an engine before the three are done. The claim is taken before its
+        # first await: a second identical id of this tenant fails, the first runs. An early
+        # admission's queue entry is this request's own (the admission names entries by a nonce),
+        # so a duplicate's never touches the first's.
         tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
+        estimate, early = self._early(tenant, state, rctx)
         try:
             claimed = await registry.claim(tenant.name, state.request_id)
         except BaseException:
-            await _discard(tokenizing)
+            await _abandon(tokenizing, early, state)
             raise
         if not claimed:
-            await _discard(tokenizing)
+            await _abandon(tokenizing, early, state)
             raise Reason.DUPLICATE_REQUEST_ID.error(f"request id {state.request_id!r} is already in flight")
         self._live[state.key] = state
         done: Done | None = None
+        ended = False
         try:
             registry.on_cancel(tenant.name, state.request_id, state.cancel)
-            admitting = await self._tokenized_and_admitted(tenant, state, tokenizing, rctx)
+            admitting = await self._tokenized_and_admitted(tenant, state, tokenizing, estimate, early, rctx)
             # From here on the queue entry or the lease is given back on every path: the client may
             # go away at any yield, a grant may land while a cancel is on its way.
             try:
@@ -243,24 +248,43 @@ class Router:
                         yield event
             finally:
                 await _end_admission(admitting, state)
+            ended = True
         finally:
             self._live.pop(state.key, None)
-            await registry.release(tenant.name, state.request_id)
+            # A request that ends with its `done` frees its id before the `done` goes out (the client
+            # may reuse it at once, on any router); a refused or failed one does not wait for that
+            # round trip: its status goes out now, and an id reused meanwhile is taken over from
+            # this router, which no longer holds it (the registry's claim asks the owner).
+            await registry.release(tenant.name, state.request_id, wait=ended)
         # `done` goes out after the lease and the id are released: a client that has its `done`
         # may reuse the id, or send its next request within its tenant's limit, at once.
         if done is not None:
             yield done
 
-    async def _tokenized_and_admitted(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None],
-                                      rctx: Context) -> Admitting:
-        """The prompt tokenized and checked, and the request admitted (granted or queued). With
-        `admit_while_tokenizing` and an estimate of its prompt (`PromptEstimate`), the admission round
-        trip runs alongside Tokenize; an early admission the request turns out not to need (tokenizing
-        or its length checks failed, the client left) is given back at once."""
+    def _early(self, tenant: Tenant, state: RequestState,
+               rctx: Context) -> tuple[int | None, asyncio.Future[Admitting] | None]:
+        """The estimated prompt tokens and the admission started on them, with
+        `admit_while_tokenizing` and an estimate (`PromptEstimate`; none for token-id input)."""
         estimate = self.estimate.tokens(state.inp) if self.options.admit_while_tokenizing else None
-        early = None if estimate is None else asyncio.ensure_future(
+        if estimate is None:
+            return None, None
+        return estimate, asyncio.ensure_future(
             self._enqueue(tenant, state, rctx, estimate + state.inp.sampling.max_tokens))
+
+    async def _tokenized_and_admitted(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None],
+                                      estimate: int | None, early: asyncio.Future[Admitting] | None,
+                                      rctx: Context) -> Admitting:
+        """The prompt tokenized and checked, and the request admitted (granted or queued). An early
+        admission (`_early`) the request turns out not to need (tokenizing or its length checks
+        failed, the client left) is given back at once; one refused for a reason its token count
+        does not change (a full queue, a concurrency limit) is the answer at once, without waiting
+        for Tokenize."""
         try:
+            if early is not None and not tokenizing.done():
+                await asyncio.wait((tokenizing, early), return_when=asyncio.FIRST_COMPLETED)
+                if early.done() and not tokenizing.done() and _final_refusal(early):
+                    await _discard(tokenizing)
+                    early.result()          # raises the refusal
             await tokenizing
             check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
         except BaseException:
@@ -505,6 +529,22 @@ async def _discard(task: asyncio.Future[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+def _final_refusal(early: asyncio.Future[Admitting]) -> bool:
+    """Did the early admission come back refused for a reason the real token count cannot change?"""
+    if early.cancelled():
+        return False
+    exc = early.exception()
+    return isinstance(exc, TokenrelayError) and exc.reason not in _BUDGET_REFUSALS
+
+
+async def _abandon(tokenizing: asyncio.Future[None], early: asyncio.Future[Admitting] | None,
+                   state: RequestState) -> None:
+    """The request goes no further (its id was not claimed): stop tokenizing, give back an early admission."""
+    await _discard(tokenizing)
+    if early is not None:
+        await _give_back(early, state)
 
 
 async def _give_back(admitting: asyncio.Future[Admitting], state: RequestState) -> None:

@@ -213,7 +213,10 @@ class RequestRegistry(Protocol):
         """True if the id was free for this tenant (it is now held); False if in flight."""
         ...
 
-    async def release(self, tenant: str, request_id: str) -> None: ...
+    async def release(self, tenant: str, request_id: str, wait: bool = True) -> None:
+        """Free the id: at once in this process; `wait` also waits (bounded) until every router
+        sees it free (else that completes in the background)."""
+        ...
 
     async def cancel(self, tenant: str, request_id: str) -> bool:
         """Cancel the tenant's request wherever it runs; False if it is not in flight (for this

@@ -166,7 +166,7 @@ class LocalRequestRegistry:
     async def claim(self, tenant: str, request_id: str) -> bool:
         return self.take(tenant, request_id)
 
-    async def release(self, tenant: str, request_id: str) -> None:
+    async def release(self, tenant: str, request_id: str, wait: bool = True) -> None:
         self.drop(tenant, request_id)
 
     async def cancel(self, tenant: str, request_id: str) -> bool:

@@ -97,3 +97,21 @@ async def test_an_early_admission_whose_request_stops_while_tokenizing_leaves_no
     finally:
         await a.close()
         await view.close()
+
+
+async def test_two_admissions_of_one_id_are_separate_entries(redis_url) -> None:
+    # The router admits a request before its id claim is answered (early admission): a duplicate
+    # id's admission, given back when its claim fails, must not end the first's lease.
+    a = admission(redis_url, pool_capacity=4)
+    view = PoolView(redis_url, a.settings.pool)
+    try:
+        first = await a.admit(req("t", "same"))
+        dup = await a.admit(req("t", "same"))
+        assert first.grant is not None and dup.grant is not None and await view.leases() == 2
+        await dup.grant.settle_tokens(0)
+        assert await view.leases() == 1
+        await first.grant.settle_tokens(10)
+        assert await _empty(view) and not a.book.leases
+    finally:
+        await a.close()
+        await view.close()

@@ -2,7 +2,8 @@
 seen enough prompts of a kind to estimate tokens per character, a text or chat request goes to
 admission while its prompt is tokenized, so the two round trips overlap. Nothing it was granted is
 kept when the request does not go on; a token-budget refusal on an over-estimate is asked again
-with the real count."""
+with the real count. Admission does not wait for the id claim either, and a refusal the token count
+cannot change (a full queue) is the answer at once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from router_svc.ports import AdmitRequest
-from router_svc.request import PromptEstimate
+from router_svc.request import LocalRequestRegistry, PromptEstimate
 from router_svc.types import Done, GenerateInput, Sampling
 from services.errors import Reason, TokenrelayError
 from tests.router.core_fakes import TENANT, FakeAdmission, FakeAdmitting, core
@@ -151,3 +152,73 @@ async def test_a_budget_refusal_on_an_over_estimate_is_asked_again_with_the_real
     with pytest.raises(TokenrelayError) as info:
         await _drain(c.router.generate(TENANT, _inp("y" * 1000, request_id="big2")))
     assert info.value.reason == Reason.TOKEN_BUDGET_TOO_SMALL and adm.held == set()
+
+
+async def test_a_full_queue_refusal_is_the_answer_without_waiting_for_tokenize() -> None:
+    # The refusal does not depend on the token count: the client has it while the prompt is still
+    # being tokenized, and the Tokenize call is stopped.
+    c = core()
+    await _warm(c)
+    c.tokenizer.gate = asyncio.Event()                  # Tokenize never answers in this test
+    c.admission.refuse = Reason.TENANT_QUEUE_FULL.error("queue full")
+    with pytest.raises(TokenrelayError) as info:
+        await asyncio.wait_for(_drain(c.router.generate(TENANT, _inp(request_id="r"))), 2)
+    assert info.value.reason == Reason.TENANT_QUEUE_FULL
+    assert c.router.in_flight == 0 and c.admission.held == set()
+    c.admission.refuse = None
+    c.tokenizer.gate.set()
+    assert isinstance((await _drain(c.router.generate(TENANT, _inp(request_id="r"))))[-1], Done)
+
+
+async def test_a_budget_refusal_on_the_estimate_still_waits_for_the_real_count() -> None:
+    # TOKEN_RATE_LIMITED may be an over-estimate's: it is not final before the prompt is tokenized.
+    c = core()
+    await _warm(c)
+    c.tokenizer.gate = asyncio.Event()
+    c.admission.refuse = Reason.TOKEN_RATE_LIMITED.error("over the rate")
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="r"))))
+    await poll(lambda: len(c.admission.requests) == 17, what="the early admission")
+    await asyncio.sleep(0.05)
+    assert not run.done()
+    c.tokenizer.gate.set()
+    with pytest.raises(TokenrelayError) as info:
+        await asyncio.wait_for(run, 2)
+    assert info.value.reason == Reason.TOKEN_RATE_LIMITED
+
+
+class _SlowClaims(LocalRequestRegistry):
+    """A registry whose claim is a round trip (as Redis's is with several routers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def claim(self, tenant: str, request_id: str) -> bool:
+        ok = self.take(tenant, request_id)
+        await self.gate.wait()
+        return ok
+
+
+async def test_admission_does_not_wait_for_the_id_claim_and_a_duplicate_gives_its_own_back() -> None:
+    c = core()
+    registry = _SlowClaims()
+    c.router.ports.registry = registry
+    await _warm(c)
+    registry.gate.clear()
+    before = len(c.admission.requests)
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="r"))))
+    await poll(lambda: len(c.admission.requests) > before, what="admission before the claim is answered")
+    assert not run.done()
+    registry.gate.set()
+    assert isinstance((await asyncio.wait_for(run, 5))[-1], Done)
+    # A duplicate id: its claim fails after its early admission went out; that admission is given back.
+    registry.take(TENANT.name, "dup")                   # "dup" is in flight (elsewhere)
+    registry.gate.clear()
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="dup"))))
+    await poll(lambda: (TENANT.name, "dup") in c.admission.held, what="the duplicate's early grant")
+    registry.gate.set()
+    with pytest.raises(TokenrelayError) as info:
+        await asyncio.wait_for(run, 5)
+    assert info.value.reason == Reason.DUPLICATE_REQUEST_ID
+    assert c.admission.held == set() and c.router.in_flight == 0

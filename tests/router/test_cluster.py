@@ -89,6 +89,19 @@ async def test_request_ids_are_scoped_by_tenant_and_unique_across_routers(pair):
     assert await b.registry.claim("t1", "r")          # free on every router once release returns
 
 
+async def test_an_id_released_without_waiting_is_free_on_every_router_at_once(pair):
+    # A refused or failed request releases its id without waiting for Redis (its status goes out
+    # first): the same id sent again at once, to another router, runs; the late delete of the old
+    # claim does not free the new one.
+    a, b = pair
+    for i in range(20):
+        assert await a.registry.claim("t", f"r{i}")
+        await a.registry.release("t", f"r{i}", wait=False)
+        assert await b.registry.claim("t", f"r{i}")
+        assert not await a.registry.claim("t", f"r{i}")   # b holds it now, even after a's delete landed
+        await b.registry.release("t", f"r{i}")
+
+
 async def test_concurrent_claims_of_one_id_admit_exactly_one(pair):
     a, b = pair
     results = await asyncio.gather(*(m.registry.claim("t", "same") for m in (a, b) * 8))
