@@ -35,7 +35,7 @@ from opentelemetry.context import Context
 
 from services.errors import Reason, TokenrelayError, in_band_error
 from services.logging import get_logger
-from services.tracing import inject, tracer
+from services.tracing import child_span, inject, tracer
 
 from .metrics_routing import MIGRATIONS, ROUTE_SECONDS, ROUTED, SESSION_MOVES
 from .ports import (
@@ -149,7 +149,7 @@ class EngineStage:
                              state.prompt_ids, state.tenant, state.inp.sampling.max_tokens)
 
     def _place(self, state: RequestState, view: PlacementView, trace_ctx: Context | None) -> str:
-        with _tracer.start_as_current_span("route", context=trace_ctx) as span:
+        with child_span(_tracer, "route", context=trace_ctx) as span:
             t0 = time.perf_counter()
             snapshots = self.engines.snapshots()
             if state.generated:     # a migration: the new replica prefills prompt + generated

@@ -30,7 +30,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.errors import Reason, TokenrelayError, in_band_error
 from services.logging import get_logger
-from services.tracing import inject, tracer
+from services.tracing import child_span, inject, tracer
 
 from .engine_stage import EngineStage
 from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
@@ -304,7 +304,7 @@ class Router:
     async def _tokenize(self, tenant: Tenant, state: RequestState, rctx: Context) -> None:
         inp, tok = state.inp, self.ports.tokenizer
         t = time.monotonic()
-        with _tracer.start_as_current_span("tokenize", context=rctx):
+        with child_span(_tracer, "tokenize", context=rctx):
             if inp.token_ids is not None:
                 state.prompt_ids = list(inp.token_ids)
             elif inp.messages is not None:
@@ -328,7 +328,7 @@ class Router:
         request = AdmitRequest(tenant.name, state.request_id, state.priority, cost or state.cost, state.remaining(),
                                *limits)
         try:
-            with _tracer.start_as_current_span("queue_wait", context=rctx):   # the enqueue round trip
+            with child_span(_tracer, "queue_wait", context=rctx):   # the enqueue round trip
                 async with asyncio.timeout(state.remaining()):
                     return await self.ports.admission.admit(request)
         except TimeoutError:
@@ -340,7 +340,7 @@ class Router:
         QUEUED.labels(state.tenant).inc()
         self.ports.registry.on_cancel(state.tenant, state.request_id, admitting.cancel)
         try:
-            with _tracer.start_as_current_span("queued", context=rctx):     # waiting for the grant
+            with child_span(_tracer, "queued", context=rctx):     # waiting for the grant
                 async with asyncio.timeout(state.remaining()):
                     while admitting.grant is None:
                         await admitting.next()

@@ -94,6 +94,13 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
+def child_span(tr: trace.Tracer, name: str, **kw: Any) -> Any:
+    """A child span made current for a `with` block. An exception leaving it sets the span's
+    status but is not recorded as an event: OpenTelemetry's default formats the whole traceback,
+    which profiled at ~8% of a router's loop when refusals (typed errors) are frequent."""
+    return tr.start_as_current_span(name, record_exception=False, **kw)
+
+
 def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=ctx)

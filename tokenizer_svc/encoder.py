@@ -28,7 +28,7 @@ from typing import Any, Literal
 from opentelemetry.trace import SpanKind
 
 from services.errors import InvalidArgument, Reason, TokenrelayError
-from services.tracing import tracer
+from services.tracing import child_span, tracer
 from tokenizer_svc import metrics
 from tokenizer_svc.batcher import Batcher
 from tokenizer_svc.chat_cache import ChatPrefixCache, Plan
@@ -126,7 +126,7 @@ class Encoder:
     async def tokenize(self, inputs: Sequence[EncodeInput | None], finish: Finish | None = None) -> Any:
         """Ids per input (or `finish(ids)`); None stands for an input that carried nothing."""
         start = time.perf_counter()
-        with _tracer.start_as_current_span("tokenizer.tokenize", kind=SpanKind.SERVER,
+        with child_span(_tracer, "tokenizer.tokenize", kind=SpanKind.SERVER,
                                            attributes={"tokenrelay.inputs": len(inputs)}):
             try:
                 checked, nbytes = self._validate(inputs)
