@@ -62,6 +62,13 @@ def tenants_yaml(tenants: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
 class Mesh:
     """The running mesh: its router addresses, the pool's capacity, and Redis for drain checks."""
 
@@ -106,13 +113,12 @@ class Mesh:
         whether a latency tail is the routers' (a busy or stalled loop) or the clients'."""
         import urllib.request
 
-        import psutil
-
-        out = {"cpu_s": 0.0, "lag_samples": 0.0, "lag_over_10ms": 0.0, "lag_over_50ms": 0.0, "gc": 0.0,
+        out = {"tokenizer_cpu_s": _cpu_s(self.procs.procs["tokenizer"].pid),
+               "redis_cpu_s": _cpu_s(self.procs.procs["redis"].pid),
+               "cpu_s": 0.0, "lag_samples": 0.0, "lag_over_10ms": 0.0, "lag_over_50ms": 0.0, "gc": 0.0,
                "gc_over_10ms": 0.0, "gc_s": 0.0}
         for i in range(len(self.routers)):
-            t = psutil.Process(self.procs.procs[f"router{i}"].pid).cpu_times()
-            out["cpu_s"] += t.user + t.system
+            out["cpu_s"] += _cpu_s(self.procs.procs[f"router{i}"].pid)
             port = (self.work / f"router{i}.metrics-port").read_text().strip()
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             for line in text.splitlines():
