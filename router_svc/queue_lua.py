@@ -534,8 +534,14 @@ local function enqueue_one(A)
   end
   if not CMAXQ[c] then return {0, 'UNKNOWN_CLASS', 0} end
   set_limits(T, mi, mq, tpm, w)
-  local budget_limit = remaining
-  if budget_limit <= 0 or budget_limit > max_wait then budget_limit = max_wait end
+  -- How long it may wait (for a slot or for its token budget): a request with a deadline, its
+  -- remaining time less what serving it takes (the pool's mean lease, at most half the remaining time
+  -- set aside); granted later than that, it would run out of time mid-stream, its tokens wasted.
+  local budget_limit = max_wait
+  if remaining > 0 then
+    local svc = tonumber(redis.call('HGET', P .. 'stats', 'svc') or '0')
+    budget_limit = math.min(max_wait, math.max(1, remaining - math.min(svc, remaining / 2)))
+  end
   local rate_new = 0
   if tpm > 0 then
     if cost > tpm then return {0, 'TOKEN_BUDGET_TOO_SMALL', 0} end

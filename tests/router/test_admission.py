@@ -290,3 +290,24 @@ async def test_requests_arriving_together_share_one_enqueue_and_one_settle_call(
         assert await a.in_flight("t0") == 0
     finally:
         await a.close()
+
+
+async def test_a_request_that_could_not_finish_by_its_deadline_after_waiting_is_refused(redis_url) -> None:
+    # Found by bench/bench_fairness.py's overload scenario on the 16-core host: requests with 3 s
+    # deadlines queued for their token budget were granted ~2.5 s in and cut off mid-stream by
+    # their deadline (4-5% of the pool's tokens wasted). A request may now wait only its remaining
+    # time less the pool's mean lease (at most half of it).
+    a = admission(redis_url, pool_capacity=10)
+    try:
+        first = await a.admit(req("t", "1", cost=6000, tpm=6000))   # 100 tokens/s: the minute's budget, all used
+        await first.grant.settle_tokens(6000)
+        await a.redis.hset(f"tq:{{{a.settings.pool}}}:stats", mapping={"svc": 2000, "n": 50})   # leases last ~2 s
+        # 150 tokens: ~1.5 s for the budget. With 2.5 s left it would be granted with ~1 s to run.
+        with pytest.raises(ResourceExhausted) as e:
+            await a.admit(req("t", "2", cost=150, tpm=6000, deadline=2.5))
+        assert e.value.reason == "TOKEN_RATE_LIMITED"
+        ok = await a.admit(req("t", "3", cost=150, tpm=6000, deadline=10))   # 10 s: waits, then has 8 s
+        assert ok.grant is None
+        await ok.abandon()
+    finally:
+        await a.close()
