@@ -20,12 +20,19 @@ consumers are woken at once (the next loop turn: nothing waits when idle); once 
 wake-ups are deferred by `max_wake_delay`, the reader takes the messages that arrive meanwhile
 and each consumer takes all of them in one turn: fewer, fuller messages downstream, at most one
 per request per `max_wake_delay`. A request's first item is never deferred (time to first token).
+A flush wakes at most `WAKE_SLICE` consumers per loop turn: one message for a whole batch (an
+engine step of 64 requests) would otherwise make one turn of ~64 consumer runs (~3 ms), and
+everything that became ready meanwhile — a new call, a Redis reply, a refusal to send — waits for
+that whole turn (the refusal tail of the overload bench, `docs/benchmarks.md`).
 
 Sinks (`Inbox.sink`): a consumer whose per-item work is plain bookkeeping (the engine stage
 handing a chunk of new tokens to the detokenizer) may set a sink; the reader then calls it with
 each item while the inbox is empty (so the order is kept) and an item it takes is never buffered:
 no task hop for it. Whatever it declines (a first, last or failed item) is buffered and wakes the
-consumer as before. A stream's end (`StreamBroken`) always goes through the inbox.
+consumer as before. A stream's end (`StreamBroken`) always goes through the inbox. While the loop
+is behind (the wake-ups are deferred) no sink is called: the items merge in the inbox and the
+consumer takes them in one go, as without a sink (with the sink called regardless, every engine
+chunk went on alone and the relay at saturation fell from ~17 to ~1.4 tokens per client message).
 
 Merging (`merge`): an item that arrives while the request's previous one still waits in its inbox
 may be folded into it (new tokens appended to the pending chunk), so a consumer that lags takes one
@@ -130,6 +137,7 @@ class Inbox(Generic[Item]):
 
 
 _BUSY_LAG = 0.001      # loop lag (s) above which the reader defers wake-ups (module doc)
+WAKE_SLICE = 16        # consumers woken per loop turn (module doc)
 
 
 class _Waker:
@@ -155,12 +163,22 @@ class _Waker:
         else:
             loop.call_soon(self._flush)
 
-    def _flush(self) -> None:
-        late = asyncio.get_running_loop().time() - self._due
-        self.lag += (max(late, 0.0) - self.lag) * 0.25
-        self._due = 0.0
-        self.flushes += 1
-        pending, self._pending = self._pending, []
+    def _flush(self, more: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        if not more:       # the lag is measured on the flush a wake-up scheduled, not on its slices
+            self.lag += (max(loop.time() - self._due, 0.0) - self.lag) * 0.25
+            self.flushes += 1
+        pending = self._pending
+        if len(pending) > WAKE_SLICE:
+            # Many consumers at once (one engine step for a whole batch): woken a slice per loop turn,
+            # so what became ready meanwhile (a new call, a Redis reply) waits for one slice of
+            # consumers, not for all of them.
+            self._pending = pending[WAKE_SLICE:]
+            pending = pending[:WAKE_SLICE]
+            loop.call_soon(self._flush, True)
+        else:
+            self._pending = []
+            self._due = 0.0
         for inbox in pending:
             inbox.wake()
 
@@ -261,6 +279,9 @@ class MuxClient(Generic[Item]):
                 items = self._split(response)
                 self.items_received += len(items)
                 waker, convert, merge = self._waker, self._convert, self._merge
+                # While the loop is behind, no sink: items wait in their inboxes and merge, so each
+                # consumer takes many at once (a sink would pass every item on one by one).
+                sinks = waker.lag <= _BUSY_LAG
                 for request_id, raw in items:
                     inbox = inboxes.get(request_id)
                     if inbox is None:
@@ -271,7 +292,7 @@ class MuxClient(Generic[Item]):
                             continue       # folded into the item that already waits (and is woken)
                     item = convert(raw) if convert is not None else raw
                     sink = inbox.sink
-                    if sink is not None and not inbox._items and sink(item):
+                    if sink is not None and sinks and not inbox._items and sink(item):
                         continue           # taken by the consumer's sink: no buffer, no wake-up
                     if inbox.append(item):
                         if inbox.wakes:

@@ -11,9 +11,33 @@ import grpc
 
 from services.channels import bind_port, open_channel
 from services.errors import Reason
-from services.mux import Inbox, MuxClient, StreamBroken
+from services.mux import WAKE_SLICE, Inbox, MuxClient, StreamBroken, _Waker
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
 from services.security import PLAINTEXT
+
+
+async def test_a_flush_for_many_consumers_lets_other_work_in_between_slices() -> None:
+    # One engine step for a whole batch wakes every consumer; woken all in one loop turn, anything
+    # that became ready meanwhile (a new call, a refusal to send) waited behind all of them.
+    n = 3 * WAKE_SLICE + 5
+    inboxes: list[Inbox[int]] = [Inbox() for _ in range(n)]
+    order: list[str] = []
+
+    async def consumer(i: int) -> None:
+        await inboxes[i].get()
+        order.append("consumer")
+
+    tasks = [asyncio.ensure_future(consumer(i)) for i in range(n)]
+    await asyncio.sleep(0)                      # every consumer waits on its inbox
+    waker = _Waker(0.005)
+    for inbox in inboxes:
+        inbox.append(1)
+        waker.add(inbox)
+    asyncio.get_running_loop().call_soon(lambda: asyncio.get_running_loop().call_soon(lambda: order.append("other")))
+    await asyncio.gather(*tasks)
+    first_other = order.index("other")
+    assert 0 < first_other <= 2 * WAKE_SLICE, order     # not after all n consumers
+    assert order.count("consumer") == n and waker.flushes == 1
 
 
 async def test_a_burst_costs_one_wake_up_and_one_take() -> None:
@@ -215,3 +239,39 @@ async def test_a_lagging_loop_defers_wake_ups_and_an_idle_one_does_not() -> None
         waited = loop.time() - t0
         assert (waited >= 0.045) is expect_deferred, (lag, waited)
         assert waker.flushes == 1
+
+
+async def test_while_the_loop_is_behind_a_sink_is_not_called_and_chunks_merge() -> None:
+    # Found by a pinned relay run (docs/benchmarks.md): with the engine stage's sink called for
+    # every chunk, a saturated router sent one token per client message (1.0-1.4 tokens per
+    # message, 11k tokens per router CPU-second at 256 streams where it had relayed 80k): the merge
+    # that made deltas fuller under load never ran.
+    server, address = await _serve(_DripEngine(tokens=51))
+    channel, mux = _merging_client(address)
+    try:
+        for lag, expect_sunk in ((0.0, 50), (1.0, 0)):
+            mux._waker.lag = lag                # as measured on its own wake-ups by the reader
+            sunk: list[list[int]] = []
+            inbox = mux.open(f"r{lag}")
+
+            def sink(item: Any, sunk: list[list[int]] = sunk, lag: float = lag) -> bool:
+                if item["finished"]:
+                    return False
+                sunk.append(item["tokens"])
+                mux._waker.lag = lag            # the reader's flushes would measure the idle loop here
+                return True
+            inbox.sink = sink
+            mux.post("submit", engine_pb2.EngineRequest(request_id=f"r{lag}"))
+            items: list[Any] = []
+            while not (items and items[-1]["finished"]):
+                items += await asyncio.wait_for(inbox.get_ready(), 10)
+            assert len(sunk) == expect_sunk, (lag, len(sunk))
+            received = [t for s in sunk for t in s] + [t for item in items for t in item["tokens"]]
+            assert received == list(range(51))
+            if lag:                  # through the inbox, where chunks that wait merge (tested above)
+                assert len(items) < 51
+            mux.release(f"r{lag}")
+    finally:
+        await mux.close()
+        await channel.close()
+        await server.stop(None)
