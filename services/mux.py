@@ -20,10 +20,12 @@ consumers are woken at once (the next loop turn: nothing waits when idle); once 
 wake-ups are deferred by `max_wake_delay`, the reader takes the messages that arrive meanwhile
 and each consumer takes all of them in one turn: fewer, fuller messages downstream, at most one
 per request per `max_wake_delay`. A request's first item is never deferred (time to first token).
-A flush wakes at most `WAKE_SLICE` consumers per loop turn: one message for a whole batch (an
-engine step of 64 requests) would otherwise make one turn of ~64 consumer runs (~3 ms), and
-everything that became ready meanwhile — a new call, a Redis reply, a refusal to send — waits for
-that whole turn (the refusal tail of the overload bench, `docs/benchmarks.md`).
+A flush wakes every consumer that got items in one loop turn. Waking them a slice (16) per turn,
+so that a new call or a refusal would wait for one slice and not a whole batch's, was tried and
+dropped: on the 16-core host it did not change the overload bench's refusal p99 beyond noise (15.3
+vs 18.1 ms with 2 routers, 11.3 vs 10.5 with 4), and its short turns hid the loop's lag from the
+deferral above (at 256 streams here: 2.2 instead of 16.4 tokens per client message, 7.5k instead of
+17.4k tokens per router CPU-second).
 
 Sinks (`Inbox.sink`): a consumer whose per-item work is plain bookkeeping (the engine stage
 handing a chunk of new tokens to the detokenizer) may set a sink; the reader then calls it with
@@ -137,7 +139,6 @@ class Inbox(Generic[Item]):
 
 
 _BUSY_LAG = 0.001      # loop lag (s) above which the reader defers wake-ups (module doc)
-WAKE_SLICE = 16        # consumers woken per loop turn (module doc)
 
 
 class _Waker:
@@ -163,22 +164,12 @@ class _Waker:
         else:
             loop.call_soon(self._flush)
 
-    def _flush(self, more: bool = False) -> None:
-        loop = asyncio.get_running_loop()
-        if not more:       # the lag is measured on the flush a wake-up scheduled, not on its slices
-            self.lag += (max(loop.time() - self._due, 0.0) - self.lag) * 0.25
-            self.flushes += 1
-        pending = self._pending
-        if len(pending) > WAKE_SLICE:
-            # Many consumers at once (one engine step for a whole batch): woken a slice per loop turn,
-            # so what became ready meanwhile (a new call, a Redis reply) waits for one slice of
-            # consumers, not for all of them.
-            self._pending = pending[WAKE_SLICE:]
-            pending = pending[:WAKE_SLICE]
-            loop.call_soon(self._flush, True)
-        else:
-            self._pending = []
-            self._due = 0.0
+    def _flush(self) -> None:
+        late = asyncio.get_running_loop().time() - self._due
+        self.lag += (max(late, 0.0) - self.lag) * 0.25
+        self._due = 0.0
+        self.flushes += 1
+        pending, self._pending = self._pending, []
         for inbox in pending:
             inbox.wake()
 
