@@ -10,11 +10,26 @@ granted lease behind; both were heartbeated for as long as the router ran.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
+from router_svc.admission import Admission
 from router_svc.types import Accepted, GenerateInput, Sampling
 from tests.router.admission_kit import PoolView, admission, req
 from tests.router.core_fakes import TENANT, FakeReplica, core
 from tests.waiting import poll
+
+
+@contextlib.asynccontextmanager
+async def _pool(redis_url: str, capacity: int) -> AsyncIterator[tuple[Admission, PoolView]]:
+    """An admission client on a private pool of `capacity` slots, and a view of its keys."""
+    a = admission(redis_url, pool_capacity=capacity)
+    view = PoolView(redis_url, a.settings.pool)
+    try:
+        yield a, view
+    finally:
+        await a.close()
+        await view.close()
 
 
 async def _empty(view: PoolView) -> bool:
@@ -22,9 +37,7 @@ async def _empty(view: PoolView) -> bool:
 
 
 async def test_a_grant_that_lands_while_a_queued_request_is_abandoned_is_given_back(redis_url) -> None:
-    a = admission(redis_url, pool_capacity=1)
-    view = PoolView(redis_url, a.settings.pool)
-    try:
+    async with _pool(redis_url, 1) as (a, view):
         holder = await a.admit(req("t", "holder"))
         queued = await a.admit(req("t", "queued"))
         assert queued.grant is None
@@ -32,32 +45,22 @@ async def test_a_grant_that_lands_while_a_queued_request_is_abandoned_is_given_b
         assert queued.grant is not None
         await queued.abandon()                # ...while its request is being cancelled
         assert await _empty(view) and not a.book.leases
-    finally:
-        await a.close()
-        await view.close()
 
 
 async def test_a_client_gone_right_after_accepted_leaves_no_lease(redis_url) -> None:
-    a = admission(redis_url, pool_capacity=4)
-    view = PoolView(redis_url, a.settings.pool)
-    c = core(FakeReplica("e1", ["hang"]), admission=a)
-    try:
+    async with _pool(redis_url, 4) as (a, view):
+        c = core(FakeReplica("e1", ["hang"]), admission=a)
         stream = c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=8), prompt="hi"))
         assert isinstance(await anext(stream), Accepted)
         assert await view.leases() == 1
         await stream.aclose()                 # the client goes away at its first message
         await poll(lambda: _empty(view), timeout=5, what="the lease given back")
         assert not a.book.leases
-    finally:
-        await a.close()
-        await view.close()
 
 
 async def test_cancelling_queued_requests_while_grants_land_leaks_nothing(redis_url) -> None:
-    a = admission(redis_url, pool_capacity=2)
-    view = PoolView(redis_url, a.settings.pool)
-    c = core(FakeReplica("e1", ["hang"]), admission=a)
-    try:
+    async with _pool(redis_url, 2) as (a, view):
+        c = core(FakeReplica("e1", ["hang"]), admission=a)
         for _ in range(5):
             streams = [c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=8), prompt=f"p{i}"))
                        for i in range(8)]
@@ -67,18 +70,13 @@ async def test_cancelling_queued_requests_while_grants_land_leaks_nothing(redis_
                 await s.aclose()
             await poll(lambda: _empty(view), timeout=5, what="every lease and queue entry given back")
         assert not a.book.leases and not a.book.waiting
-    finally:
-        await a.close()
-        await view.close()
 
 
 async def test_an_early_admission_whose_request_stops_while_tokenizing_leaves_nothing(redis_url) -> None:
     # Admission alongside Tokenize (on by default, once the estimate is warm): whether the request
     # is cut off while its enqueue is in flight or after the grant landed, no lease or entry stays.
-    a = admission(redis_url, pool_capacity=4)
-    view = PoolView(redis_url, a.settings.pool)
-    c = core(admission=a)
-    try:
+    async with _pool(redis_url, 4) as (a, view):
+        c = core(admission=a)
         for i in range(16):
             assert [e async for e in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=2), prompt="hi",
                                                                                  request_id=f"w{i}"))]
@@ -94,17 +92,12 @@ async def test_an_early_admission_whose_request_stops_while_tokenizing_leaves_no
             await poll(lambda: _empty(view), timeout=5, what="nothing held")
             assert not a.book.leases
         assert c.router.in_flight == 0
-    finally:
-        await a.close()
-        await view.close()
 
 
 async def test_two_admissions_of_one_id_are_separate_entries(redis_url) -> None:
     # The router admits a request before its id claim is answered (early admission): a duplicate
     # id's admission, given back when its claim fails, must not end the first's lease.
-    a = admission(redis_url, pool_capacity=4)
-    view = PoolView(redis_url, a.settings.pool)
-    try:
+    async with _pool(redis_url, 4) as (a, view):
         first = await a.admit(req("t", "same"))
         dup = await a.admit(req("t", "same"))
         assert first.grant is not None and dup.grant is not None and await view.leases() == 2
@@ -112,6 +105,3 @@ async def test_two_admissions_of_one_id_are_separate_entries(redis_url) -> None:
         assert await view.leases() == 1
         await first.grant.settle_tokens(10)
         assert await _empty(view) and not a.book.leases
-    finally:
-        await a.close()
-        await view.close()
