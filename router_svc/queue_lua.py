@@ -3,7 +3,8 @@
 Layout (prefix ``tq:{pool}:``, one hash tag, so one Redis Cluster slot; KEYS[1] is the pool's
 ``meta`` key, which routes the call to that slot, and every other key is derived from it)::
 
-    r:<m>          HASH  a request: st (q queued | l leased | x lease expired | s settled | d dropped:
+    r:<m>          HASH  a request (m = "T:<request id>~<nonce>": one admission call's own entry, named by
+                         the router's nonce): st (q queued | l leased | x lease expired | s settled | d dropped:
                          the last three are tombstones that expire), t tenant, c class,
                          cost (estimated tokens), S virtual start tag, seq, dl deadline ms (0 = none),
                          o owner router, n the owner's nonce, f fence, tg granted at
