@@ -288,6 +288,8 @@ class Router:
             await tokenizing
             check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
         except BaseException:
+            if not tokenizing.done():   # cut off in `asyncio.wait`, which leaves the task running
+                await _discard(tokenizing)
             if early is not None:
                 await _give_back(early, state)
             raise

@@ -112,6 +112,24 @@ async def test_a_client_gone_while_tokenizing_gives_the_early_grant_back() -> No
     assert c.router.in_flight == 0
 
 
+async def test_a_client_gone_while_both_are_on_their_way_stops_the_tokenize_call() -> None:
+    c = core()
+    await _warm(c)
+    c.tokenizer.gate, c.admission.gate = asyncio.Event(), asyncio.Event()
+    before = len(c.admission.requests)
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="r"))))
+    await poll(lambda: len(c.admission.requests) > before, what="the early admission on its way")
+    pending = [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == "Router._tokenize"]
+    assert len(pending) == 1                            # the Tokenize call, still waiting
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert pending[0].cancelled()                       # stopped with its request, not left running
+    c.admission.gate.set()
+    await poll(lambda: c.admission.held == set(), what="nothing held")
+    assert c.router.in_flight == 0
+
+
 async def test_a_too_long_prompt_found_after_an_early_grant_gives_it_back() -> None:
     c = core()
     await _warm(c)
