@@ -288,10 +288,8 @@ class Router:
             await tokenizing
             check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
         except BaseException:
-            if not tokenizing.done():   # cut off in `asyncio.wait`, which leaves the task running
-                await _discard(tokenizing)
-            if early is not None:
-                await _give_back(early, state)
+            # Also when cut off in `asyncio.wait`, which leaves the Tokenize task running.
+            await _abandon(tokenizing, early, state)
             raise
         if early is None or estimate is None:
             return await self._enqueue(tenant, state, rctx)
@@ -543,7 +541,8 @@ def _final_refusal(early: asyncio.Future[Admitting]) -> bool:
 
 async def _abandon(tokenizing: asyncio.Future[None], early: asyncio.Future[Admitting] | None,
                    state: RequestState) -> None:
-    """The request goes no further (its id was not claimed): stop tokenizing, give back an early admission."""
+    """The request goes no further before its admission: stop tokenizing (a no-op once it ended),
+    give back an early admission."""
     await _discard(tokenizing)
     if early is not None:
         await _give_back(early, state)
