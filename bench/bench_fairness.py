@@ -98,11 +98,11 @@ class Bench:
         before = self.mesh.router_stats()
         recs = self.workers.run(phase)
         after = self.mesh.router_stats()
+        wall = time.monotonic() - t
         if a.dump_requests:
             with open(a.dump_requests, "a") as f:
                 for r in recs:
                     f.write(json.dumps({"phase": name, **dataclasses.asdict(r)}) + "\n")
-        wall = time.monotonic() - t
         self.last_routers = {k: after[k] - before[k] for k in after}
         self.last_routers["cpu_per_router"] = self.last_routers["cpu_s"] / wall / len(self.mesh.routers)
         self.last_routers["tokenizer_cores"] = self.last_routers["tokenizer_cpu_s"] / wall

@@ -69,6 +69,21 @@ def _cpu_s(pid: int) -> float:
     return float(t.user + t.system)
 
 
+def _histogram(samples: list[Any]) -> tuple[float, float, dict[str, float]]:
+    """A histogram's count, sum and buckets by bound (each counts what is at or below it), summed
+    over its other labels."""
+    count = total = 0.0
+    buckets: dict[str, float] = {}
+    for x in samples:
+        if x.name.endswith("_count"):
+            count += x.value
+        elif x.name.endswith("_sum"):
+            total += x.value
+        elif x.name.endswith("_bucket"):
+            buckets[x.labels["le"]] = buckets.get(x.labels["le"], 0.0) + x.value
+    return count, total, buckets
+
+
 class Mesh:
     """The running mesh: its router addresses, the pool's capacity, and Redis for drain checks."""
 
@@ -113,6 +128,8 @@ class Mesh:
         whether a latency tail is the routers' (a busy or stalled loop) or the clients'."""
         import urllib.request
 
+        from prometheus_client.parser import text_string_to_metric_families
+
         out = {"tokenizer_cpu_s": _cpu_s(self.procs.procs["tokenizer"].pid),
                "redis_cpu_s": _cpu_s(self.procs.procs["redis"].pid),
                "cpu_s": 0.0, "lag_samples": 0.0, "lag_over_10ms": 0.0, "lag_over_50ms": 0.0, "gc": 0.0,
@@ -121,26 +138,17 @@ class Mesh:
             out["cpu_s"] += _cpu_s(self.procs.procs[f"router{i}"].pid)
             port = (self.work / f"router{i}.metrics-port").read_text().strip()
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            for line in text.splitlines():
-                if line.startswith("#") or " " not in line:
-                    continue
-                name, value = line.rsplit(" ", 1)
-                v = float(value)
-                if name == "tokenrelay_router_loop_lag_seconds_count":
-                    out["lag_samples"] += v
-                elif name == 'tokenrelay_router_loop_lag_seconds_bucket{le="0.01"}':
-                    out["lag_over_10ms"] -= v
-                elif name == 'tokenrelay_router_loop_lag_seconds_bucket{le="0.05"}':
-                    out["lag_over_50ms"] -= v
-                elif name.startswith("tokenrelay_gc_pause_seconds_count"):
-                    out["gc"] += v
-                elif name.startswith("tokenrelay_gc_pause_seconds_sum"):
-                    out["gc_s"] += v
-                elif name.startswith("tokenrelay_gc_pause_seconds_bucket") and 'le="0.01"' in name:
-                    out["gc_over_10ms"] -= v
-        out["lag_over_10ms"] += out["lag_samples"]
-        out["lag_over_50ms"] += out["lag_samples"]
-        out["gc_over_10ms"] += out["gc"]
+            for family in text_string_to_metric_families(text):
+                if family.name == "tokenrelay_router_loop_lag_seconds":
+                    count, _, le = _histogram(family.samples)
+                    out["lag_samples"] += count
+                    out["lag_over_10ms"] += count - le["0.01"]
+                    out["lag_over_50ms"] += count - le["0.05"]
+                elif family.name == "tokenrelay_gc_pause_seconds":
+                    count, seconds, le = _histogram(family.samples)
+                    out["gc"] += count
+                    out["gc_over_10ms"] += count - le["0.01"]
+                    out["gc_s"] += seconds
         return out
 
     def _redis(self) -> Any:
