@@ -54,28 +54,41 @@ class Breaker:
     takes the half-open probe slot (False if taken); `success(kind)` / `failure(kind)` report
     outcomes (kind ``stream`` or ``poll``)."""
 
-    __slots__ = ("_clock", "_counts", "_on_transition", "_state", "backoff", "name", "open_until", "policy",
-                 "probing", "reopenings", "suspect")
+    __slots__ = ("_clock", "_counts", "_on_change", "_on_transition", "_state", "_suspect", "backoff", "name",
+                 "open_until", "policy", "probing", "reopenings")
 
     def __init__(self, policy: BreakerPolicy = DEFAULT_POLICY, *, clock: Callable[[], float] = time.monotonic,
-                 on_transition: Transition | None = None, name: str = "") -> None:
+                 on_transition: Transition | None = None, on_change: Callable[[Breaker], None] | None = None,
+                 name: str = "") -> None:
         self.policy = policy
         self.name = name
         self._clock = clock
         self._on_transition = on_transition
+        self._on_change = on_change   # state or suspect changed (what a replicas gauge shows)
         self._state = BreakerState.CLOSED
         self._counts: dict[str, int] = {}   # consecutive failures by kind
         self.backoff = 0.0          # seconds of the current (or last) opening
         self.open_until = 0.0
         self.probing = False        # the half-open probe is in flight
         self.reopenings = 0         # openings since the breaker last closed
-        self.suspect = False        # closed, but failed since its last success: no new work for now
+        self._suspect = False       # closed, but failed since its last success: no new work for now
 
     @property
     def state(self) -> BreakerState:
         if self._state is BreakerState.OPEN and self._clock() >= self.open_until:
             self._move(BreakerState.HALF_OPEN)
         return self._state
+
+    @property
+    def suspect(self) -> bool:
+        return self._suspect
+
+    @suspect.setter
+    def suspect(self, value: bool) -> None:
+        if value is not self._suspect:
+            self._suspect = value
+            if self._on_change is not None:
+                self._on_change(self)
 
     @property
     def consecutive(self) -> int:
@@ -85,14 +98,14 @@ class Breaker:
     def clean(self, kind: str = STREAM) -> bool:
         """Closed with no failure of `kind` counted: its success would change nothing (the hot path
         checks this first)."""
-        return self._state is BreakerState.CLOSED and not self.suspect and not self._counts.get(kind)
+        return self._state is BreakerState.CLOSED and not self._suspect and not self._counts.get(kind)
 
     def available(self) -> bool:
         """May new work go to the replica now? Closed and not suspect, or half-open with its probe
         slot free."""
         state = self.state
         if state is BreakerState.CLOSED:
-            return not self.suspect
+            return not self._suspect
         return state is BreakerState.HALF_OPEN and not self.probing
 
     def try_probe(self) -> bool:
@@ -139,10 +152,13 @@ class Breaker:
         self.reopenings += 1
         self.open_until = self._clock() + self.backoff
         self.probing = False
-        self.suspect = False
         self._move(BreakerState.OPEN)
+        self.suspect = False                         # after the move: the gauge never shows it ready
 
     def _move(self, to: BreakerState) -> None:
         before, self._state = self._state, to
-        if before is not to and self._on_transition is not None:
-            self._on_transition(self, before, to)
+        if before is not to:
+            if self._on_transition is not None:
+                self._on_transition(self, before, to)
+            if self._on_change is not None:
+                self._on_change(self)

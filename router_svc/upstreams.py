@@ -284,7 +284,7 @@ class EnginePool:
             channel = open_channel(address, self._security, options=_ENGINE_CHANNEL)
             replica = EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel), pool,
                                     Breaker(self._policy, clock=self._clock, on_transition=self._transition,
-                                            name=address),
+                                            on_change=lambda _b: self._update_gauges(), name=address),
                                     wake_delay=self._wake_delay)
             if load is not None:
                 replica.load = load

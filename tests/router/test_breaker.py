@@ -164,3 +164,20 @@ def _served(pool: EnginePool, address: str):
         finally:
             pool.release(address, rid)
     return served
+
+
+async def test_the_replicas_gauge_follows_a_breaker_at_once_not_at_the_next_poll() -> None:
+    # stream failures open a breaker between polls; the gauge (what dashboards and alerts read) must
+    # say so then, not up to a poll interval later (a CI run read 0 open replicas right after one opened)
+    pool = EnginePool([], poll_interval=60.0, breaker=BreakerPolicy(2, 0.5, 1.0))
+    try:
+        pool.add("gauge-pool", "127.0.0.1:9")
+        replica = pool.replicas[0]
+        assert _gauge("gauge-pool", "ready") == 1 and _gauge("gauge-pool", "open") == 0
+        replica.breaker.failure(STREAM)
+        assert _gauge("gauge-pool", "suspect") == 1 and _gauge("gauge-pool", "ready") == 0
+        replica.breaker.failure(STREAM)
+        assert replica.breaker.state is BreakerState.OPEN
+        assert _gauge("gauge-pool", "open") == 1 and _gauge("gauge-pool", "suspect") == 0
+    finally:
+        await pool.close()
