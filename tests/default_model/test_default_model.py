@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests import artefacts
 from tokenrelay_tools import default_model as dm
 
 MESSAGES: list[dict[str, Any]] = [
@@ -269,7 +270,9 @@ def built(tmp_path_factory):
         pytest.importorskip(name, reason=f"{name} (extras hf, default-model) is not installed")
     logs: list[str] = []
     cache = tmp_path_factory.mktemp("cache")
-    yield dm.ensure_default_model(cache, log=logs.append), logs
+    path = dm.ensure_default_model(cache, log=logs.append)
+    yield path, logs
+    artefacts.adopt("gemma-3-270m", path)     # the later tests' copy: one build per run, not two
     shutil.rmtree(cache, ignore_errors=True)  # ~570 MB; pytest would keep it for three sessions
 
 
