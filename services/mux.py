@@ -15,7 +15,10 @@ everything that is ready with `get_ready()`, so a burst of chunks costs one task
 Wake-ups under load (`max_wake_delay`): an upstream that produces faster than the loop consumes
 sends many small messages (one token per request each) that queue in gRPC's buffers; woken per
 message, every consumer runs its whole per-request path once per token, and the backlog grows.
-So the reader measures the loop's lag on its own wake-ups: while it is below `_BUSY_LAG`
+So the reader measures the loop's lag on its own wake-ups and with a probe per loop turn in which
+a message arrived (a `call_soon` timed; without it, sinks taking every item left nothing to measure
+and the lag stale at its idle value: a saturated router then relayed one token per client message
+and could not get out of that state): while it is below `_BUSY_LAG`
 consumers are woken at once (the next loop turn: nothing waits when idle); once it is above,
 wake-ups are deferred by `max_wake_delay`, the reader takes the messages that arrive meanwhile
 and each consumer takes all of them in one turn: fewer, fuller messages downstream, at most one
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -139,6 +143,8 @@ class Inbox(Generic[Item]):
 
 
 _BUSY_LAG = 0.001      # loop lag (s) above which the reader defers wake-ups (module doc)
+_CPU_WINDOW = 0.05     # the process's CPU use is sampled over windows this long (s) ...
+_CPU_BUSY = 0.9        # ... and at this share of one core or more the loop counts as behind
 
 
 class _Waker:
@@ -149,15 +155,40 @@ class _Waker:
         self._max_delay = max_delay
         self._pending: list[Inbox[Any]] = []
         self._due = 0.0                    # when the scheduled flush should run; 0 = none scheduled
-        self.lag = 0.0                     # smoothed lag of flushes (s)
+        self._probing = False              # a lag probe is scheduled
+        self._window = (0.0, 0.0)          # (loop time, process CPU time) when the CPU window began
+        self.lag = 0.0                     # smoothed lag of flushes and probes (s)
+        self.saturated = False             # the last CPU window used >= _CPU_BUSY of a core
         self.flushes = 0
+
+    def probe(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Measure the loop's lag now (once per loop turn at most): the reader calls it for every
+        message, so the lag stays current while sinks take every item and nothing is flushed."""
+        if not self._probing:
+            self._probing = True
+            loop.call_soon(self._probed, loop, loop.time())
+
+    def _probed(self, loop: asyncio.AbstractEventLoop, sent: float) -> None:
+        self._probing = False
+        now = loop.time()
+        self.lag += (now - sent - self.lag) * 0.25
+        began, cpu_began = self._window
+        if now - began >= _CPU_WINDOW:
+            cpu = time.process_time()
+            self.saturated = cpu - cpu_began >= _CPU_BUSY * (now - began)
+            self._window = (now, cpu)
+
+    @property
+    def behind(self) -> bool:
+        """Lag above `_BUSY_LAG`, or the process saturated: defer wake-ups, merge, call no sinks."""
+        return self.saturated or self.lag > _BUSY_LAG
 
     def add(self, inbox: Inbox[Any]) -> None:
         self._pending.append(inbox)
         if self._due:
             return
         loop = asyncio.get_running_loop()
-        delay = self._max_delay if self.lag > _BUSY_LAG else 0.0
+        delay = self._max_delay if self.behind else 0.0
         self._due = loop.time() + delay
         if delay:
             loop.call_later(delay, self._flush)
@@ -262,9 +293,11 @@ class MuxClient(Generic[Item]):
     async def _read(self, call: Any) -> None:
         error: TokenrelayError = Reason.UPSTREAM_UNAVAILABLE.error(f"{self.name} stream ended")
         inboxes = self._inboxes
+        loop = asyncio.get_running_loop()
         try:
             async for response in call:
                 self.messages_received += 1
+                self._waker.probe(loop)
                 if self._on_message is not None:
                     self._on_message(response)
                 items = self._split(response)
@@ -272,7 +305,7 @@ class MuxClient(Generic[Item]):
                 waker, convert, merge = self._waker, self._convert, self._merge
                 # While the loop is behind, no sink: items wait in their inboxes and merge, so each
                 # consumer takes many at once (a sink would pass every item on one by one).
-                sinks = waker.lag <= _BUSY_LAG
+                sinks = not waker.behind
                 for request_id, raw in items:
                     inbox = inboxes.get(request_id)
                     if inbox is None:

@@ -4,10 +4,12 @@ the multiplexed client over a real gRPC stream on loopback."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
 
 from services.channels import bind_port, open_channel
 from services.errors import Reason
@@ -224,6 +226,7 @@ async def test_while_the_loop_is_behind_a_sink_is_not_called_and_chunks_merge() 
     # that made deltas fuller under load never ran.
     server, address = await _serve(_DripEngine(tokens=51))
     channel, mux = _merging_client(address)
+    mux._waker.probe = lambda loop: None        # type: ignore[method-assign]  # the lag is set by hand here
     try:
         for lag, expect_sunk in ((0.0, 50), (1.0, 0)):
             mux._waker.lag = lag                # as measured on its own wake-ups by the reader
@@ -248,6 +251,54 @@ async def test_while_the_loop_is_behind_a_sink_is_not_called_and_chunks_merge() 
                 assert len(items) < 51
             mux.release(f"r{lag}")
     finally:
+        await mux.close()
+        await channel.close()
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("hogging", ["sleeps", "spins"])
+async def test_a_reader_whose_sink_takes_everything_still_sees_the_loop_fall_behind(hogging: str) -> None:
+    # Found by local relay runs at 256 streams: some runs relayed 1.1 tokens per client message and
+    # 9k tokens per router CPU-second where the others made 8-17 and 17-30k. The lag was measured on
+    # the waker's flushes only, and while sinks take every plain chunk there are none but a
+    # request's last: with long replies the lag stayed at its idle value, sinks went on being
+    # called for every token, and the loop fell further behind (a state it could not leave).
+    server, address = await _serve(_DripEngine(tokens=400))
+    channel, mux = _merging_client(address)
+    busy = True
+
+    async def hog() -> None:
+        while busy:
+            if hogging == "sleeps":      # a loop turn takes a few ms: a lag every probe sees
+                time.sleep(0.003)  # noqa: ASYNC251  (blocking on purpose: a busy loop)
+            else:                        # short turns, but no idle time: the process is saturated
+                spin = time.perf_counter() + 0.0003
+                while time.perf_counter() < spin:
+                    pass
+            await asyncio.sleep(0)
+
+    hogger = asyncio.create_task(hog())
+    try:
+        sunk: list[list[int]] = []
+        inbox = mux.open("r")
+
+        def sink(item: Any) -> bool:
+            if item["finished"]:
+                return False
+            sunk.append(item["tokens"])
+            return True
+        inbox.sink = sink
+        mux.post("submit", engine_pb2.EngineRequest(request_id="r"))
+        items: list[Any] = []
+        while not (items and items[-1]["finished"]):
+            items += await asyncio.wait_for(inbox.get_ready(), 30)
+        received = [t for s in sunk for t in s] + [t for item in items for t in item["tokens"]]
+        assert received == list(range(400))
+        assert mux._waker.behind and (mux.loop_lag > 0.001) is (hogging == "sleeps")
+        assert len(sunk) < 100, len(sunk)        # behind: the chunks went to the inbox and merged
+    finally:
+        busy = False
+        await hogger
         await mux.close()
         await channel.close()
         await server.stop(None)
