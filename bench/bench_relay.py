@@ -44,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+import grpc
 import psutil
 
 API_KEY = "trk-bench-relay"
@@ -278,7 +279,7 @@ async def _drive_mesh(load: Load, address: str, streams: int, stats: dict[str, A
                         stats["by_address"][address] = stats["by_address"].get(address, 0) + len(msg.delta.text)
             except Exception as exc:  # noqa: BLE001 - counted, the stream goes on
                 stats["errors"] += 1
-                stats["last_error"] = repr(exc)[:300]
+                stats["last_error"] = _describe(exc)
                 await asyncio.sleep(0.05)
             else:
                 if begin <= start < end:
@@ -471,6 +472,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if mesh_row and engine_row and engine_row["tokens_per_s"]:
             mesh_row["ratio_to_engine"] = mesh_row["tokens_per_s"] / engine_row["tokens_per_s"]
     return rows
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for the report: a gRPC error's status, reason and details (a repr spans lines)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        reason = dict(exc.trailing_metadata() or ()).get("tokenrelay-reason", "")
+        return f"{exc.code().name} {reason} {exc.details() or ''}".replace("\n", " ")[:300]
+    return repr(exc).replace("\n", " ")[:300]
 
 
 def _line(r: dict[str, Any]) -> str:
