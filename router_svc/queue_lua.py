@@ -158,10 +158,16 @@ local function ahead(c)           -- queued requests of class c and above, and o
   return n, own
 end
 
-local function est_wait(n)        -- ms for n requests ahead to be served, -1 = no estimate yet
+local function mean_lease()       -- ms a lease lasts on average, -1 = fewer than 10 seen yet
   local st = redis.call('HMGET', P .. 'stats', 'svc', 'n')
-  if not st[2] or tonumber(st[2]) < 10 or CAP <= 0 then return -1 end
-  return math.floor(n * tonumber(st[1]) / CAP)
+  if not st[2] or tonumber(st[2]) < 10 then return -1 end
+  return tonumber(st[1])
+end
+
+local function est_wait(n)        -- ms for n requests ahead to be served, -1 = no estimate yet
+  local svc = mean_lease()
+  if svc < 0 or CAP <= 0 then return -1 end
+  return math.floor(n * svc / CAP)
 end
 
 -- The minimum share is measured over the recently granted tokens (decayed, half-life 10 s): per class
@@ -537,10 +543,11 @@ local function enqueue_one(A)
   set_limits(T, mi, mq, tpm, w)
   -- How long it may wait (for a slot or for its token budget): a request with a deadline, its
   -- remaining time less what serving it takes (the pool's mean lease, at most half the remaining time
-  -- set aside); granted later than that, it would run out of time mid-stream, its tokens wasted.
+  -- set aside; none before 10 leases were seen, as for est_wait); granted later than that, it would
+  -- run out of time mid-stream, its tokens wasted.
   local budget_limit = max_wait
   if remaining > 0 then
-    local svc = tonumber(redis.call('HGET', P .. 'stats', 'svc') or '0')
+    local svc = math.max(mean_lease(), 0)
     budget_limit = math.min(max_wait, math.max(1, remaining - math.min(svc, remaining / 2)))
   end
   local rate_new = 0

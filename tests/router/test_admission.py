@@ -311,3 +311,24 @@ async def test_a_request_that_could_not_finish_by_its_deadline_after_waiting_is_
         await ok.abandon()
     finally:
         await a.close()
+
+
+async def test_one_long_lease_does_not_shrink_every_deadline_until_the_mean_is_known(redis_url) -> None:
+    # The deadline-aware wait set aside the pool's mean lease from its first sample on, while the
+    # queue's wait estimate waits for 10: one long first lease (a batch job) halved every deadline's
+    # budget and refused requests that had the time. Both now trust the mean from 10 samples.
+    a = admission(redis_url, pool_capacity=10)
+    try:
+        first = await a.admit(req("t", "1", cost=6000, tpm=6000))   # 100 tokens/s: the minute's budget, all used
+        await first.grant.settle_tokens(6000)
+        stats = f"tq:{{{a.settings.pool}}}:stats"
+        await a.redis.hset(stats, mapping={"svc": 60_000, "n": 1})     # one lease of a minute seen
+        waits = await a.admit(req("t", "2", cost=150, tpm=6000, deadline=2.5))   # ~1.5 s for its budget
+        assert waits.grant is None
+        await waits.abandon()
+        await a.redis.hset(stats, mapping={"svc": 60_000, "n": 10})    # now the mean is known
+        with pytest.raises(ResourceExhausted) as e:
+            await a.admit(req("t", "3", cost=150, tpm=6000, deadline=2.5))
+        assert e.value.reason == "TOKEN_RATE_LIMITED"
+    finally:
+        await a.close()
