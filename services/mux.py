@@ -179,6 +179,11 @@ class _Waker:
             self._window = (now, cpu)
 
     @property
+    def defers(self) -> bool:
+        """Wake-ups may be deferred (a `max_delay` above 0)."""
+        return self._max_delay > 0
+
+    @property
     def behind(self) -> bool:
         """Lag above `_BUSY_LAG`, or the process saturated: defer wake-ups, merge, call no sinks."""
         return self.saturated or self.lag > _BUSY_LAG
@@ -303,9 +308,11 @@ class MuxClient(Generic[Item]):
                 items = self._split(response)
                 self.items_received += len(items)
                 waker, convert, merge = self._waker, self._convert, self._merge
-                # While the loop is behind, no sink: items wait in their inboxes and merge, so each
-                # consumer takes many at once (a sink would pass every item on one by one).
-                sinks = not waker.behind
+                # While the loop is behind, no sink: items wait in their inboxes for the deferred
+                # wake-up and merge, so each consumer takes many at once (a sink would pass every
+                # item on one by one). With no deferral (max_wake_delay 0) that merge does not
+                # happen, and the sink's saved task hop is all there is to gain: sinks stay on.
+                sinks = not (waker.behind and waker.defers)
                 for request_id, raw in items:
                     inbox = inboxes.get(request_id)
                     if inbox is None:

@@ -165,14 +165,15 @@ def _merge(pending: Any, raw: Any) -> bool:
     return True
 
 
-def _merging_client(address: str) -> tuple[grpc.aio.Channel, MuxClient[Any]]:
+def _merging_client(address: str, wake_delay: float = 0.0) -> tuple[grpc.aio.Channel, MuxClient[Any]]:
     """A client whose items are {"tokens", "finished"} dicts, plain tokens merged (`_merge`)."""
     channel = open_channel(address, PLAINTEXT)
     stub = engine_pb2_grpc.EngineStub(channel)
     mux: MuxClient[Any] = MuxClient(
         "engine-test", stub.Stream, lambda p: engine_pb2.EngineInbound(submit=p.get("submit", [])),
         lambda resp: [(c.request_id, c) for c in resp.chunks],
-        convert=lambda c: {"tokens": list(c.token_ids), "finished": c.finished}, merge=_merge)
+        convert=lambda c: {"tokens": list(c.token_ids), "finished": c.finished}, merge=_merge,
+        max_wake_delay=wake_delay)
     return channel, mux
 
 
@@ -225,7 +226,7 @@ async def test_while_the_loop_is_behind_a_sink_is_not_called_and_chunks_merge() 
     # message, 11k tokens per router CPU-second at 256 streams where it had relayed 80k): the merge
     # that made deltas fuller under load never ran.
     server, address = await _serve(_DripEngine(tokens=51))
-    channel, mux = _merging_client(address)
+    channel, mux = _merging_client(address, wake_delay=0.005)
     mux._waker.probe = lambda loop: None        # type: ignore[method-assign]  # the lag is set by hand here
     try:
         for lag, expect_sunk in ((0.0, 50), (1.0, 0)):
@@ -256,15 +257,17 @@ async def test_while_the_loop_is_behind_a_sink_is_not_called_and_chunks_merge() 
         await server.stop(None)
 
 
-@pytest.mark.parametrize("hogging", ["sleeps", "spins"])
-async def test_a_reader_whose_sink_takes_everything_still_sees_the_loop_fall_behind(hogging: str) -> None:
+@pytest.mark.parametrize("hogging,wake_delay", [("sleeps", 0.005), ("spins", 0.005), ("spins", 0.0)])
+async def test_a_reader_whose_sink_takes_everything_still_sees_the_loop_fall_behind(hogging: str,
+                                                                                    wake_delay: float) -> None:
     # Found by local relay runs at 256 streams: some runs relayed 1.1 tokens per client message and
     # 9k tokens per router CPU-second where the others made 8-17 and 17-30k. The lag was measured on
     # the waker's flushes only, and while sinks take every plain chunk there are none but a
     # request's last: with long replies the lag stayed at its idle value, sinks went on being
     # called for every token, and the loop fell further behind (a state it could not leave).
+    # With no deferral (wake_delay 0) nothing would merge: the sink stays on, saving its task hop.
     server, address = await _serve(_DripEngine(tokens=400))
-    channel, mux = _merging_client(address)
+    channel, mux = _merging_client(address, wake_delay)
     busy = True
 
     async def hog() -> None:
@@ -295,7 +298,10 @@ async def test_a_reader_whose_sink_takes_everything_still_sees_the_loop_fall_beh
         received = [t for s in sunk for t in s] + [t for item in items for t in item["tokens"]]
         assert received == list(range(400))
         assert mux._waker.behind and (mux.loop_lag > 0.001) is (hogging == "sleeps")
-        assert len(sunk) < 100, len(sunk)        # behind: the chunks went to the inbox and merged
+        if wake_delay:
+            assert len(sunk) < 100, len(sunk)    # behind: the chunks went to the inbox and merged
+        else:
+            assert len(sunk) == 399, len(sunk)
     finally:
         busy = False
         await hogger
