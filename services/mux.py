@@ -15,10 +15,12 @@ everything that is ready with `get_ready()`, so a burst of chunks costs one task
 Wake-ups under load (`max_wake_delay`): an upstream that produces faster than the loop consumes
 sends many small messages (one token per request each) that queue in gRPC's buffers; woken per
 message, every consumer runs its whole per-request path once per token, and the backlog grows.
-So the reader measures the loop's lag on its own wake-ups and with a probe per loop turn in which
-a message arrived (a `call_soon` timed; without it, sinks taking every item left nothing to measure
-and the lag stale at its idle value: a saturated router then relayed one token per client message
-and could not get out of that state): while it is below `_BUSY_LAG`
+So the reader watches the loop three ways: the lag of its own wake-ups, the lag of a timed
+`call_soon` in each loop turn a message arrived in, and the loop's busy share over 50 ms windows
+(the time it does not wait in its selector, `services/loopidle.py`; on a loop without one, the
+process's CPU time). With the first alone, sinks taking every item left nothing to measure and the
+lag stale at its idle value: a saturated router then relayed one token per client message and
+could not get out of that state. While the lag is below `_BUSY_LAG` and the loop not saturated,
 consumers are woken at once (the next loop turn: nothing waits when idle); once it is above,
 wake-ups are deferred by `max_wake_delay`, the reader takes the messages that arrive meanwhile
 and each consumer takes all of them in one turn: fewer, fuller messages downstream, at most one
@@ -57,6 +59,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from services.errors import REASON_KEY, Reason, TokenrelayError, from_rpc_error
+from services.loopidle import idle_seconds
 
 Item = TypeVar("Item")
 
@@ -143,8 +146,8 @@ class Inbox(Generic[Item]):
 
 
 _BUSY_LAG = 0.001      # loop lag (s) above which the reader defers wake-ups (module doc)
-_CPU_WINDOW = 0.05     # the process's CPU use is sampled over windows this long (s) ...
-_CPU_BUSY = 0.9        # ... and at this share of one core or more the loop counts as behind
+_BUSY_WINDOW = 0.05    # the loop's busy share is sampled over windows this long (s) ...
+_BUSY_SHARE = 0.9      # ... and at this share or more the loop counts as behind (saturated)
 
 
 class _Waker:
@@ -156,9 +159,9 @@ class _Waker:
         self._pending: list[Inbox[Any]] = []
         self._due = 0.0                    # when the scheduled flush should run; 0 = none scheduled
         self._probing = False              # a lag probe is scheduled
-        self._window = (0.0, 0.0)          # (loop time, process CPU time) when the CPU window began
+        self._window: tuple[float, float, bool] | None = None   # (loop time, idle or CPU s, idle?) at its start
         self.lag = 0.0                     # smoothed lag of flushes and probes (s)
-        self.saturated = False             # the last CPU window used >= _CPU_BUSY of a core
+        self.saturated = False             # the loop was busy >= _BUSY_SHARE of the last window
         self.flushes = 0
 
     def probe(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -172,11 +175,18 @@ class _Waker:
         self._probing = False
         now = loop.time()
         self.lag += (now - sent - self.lag) * 0.25
-        began, cpu_began = self._window
-        if now - began >= _CPU_WINDOW:
-            cpu = time.process_time()
-            self.saturated = cpu - cpu_began >= _CPU_BUSY * (now - began)
-            self._window = (now, cpu)
+        window = self._window
+        if window is None or now - window[0] >= _BUSY_WINDOW:
+            idle = idle_seconds(loop)
+            mark = (now, idle, True) if idle is not None else (now, time.process_time(), False)
+            if window is not None:
+                began, counted, metered = window
+                if metered:      # time not spent waiting in the selector
+                    busy = (now - began) - (mark[1] - counted)
+                else:            # fallback: the process's CPU time
+                    busy = mark[1] - counted
+                self.saturated = busy >= _BUSY_SHARE * (now - began)
+            self._window = mark
 
     @property
     def defers(self) -> bool:
@@ -185,7 +195,7 @@ class _Waker:
 
     @property
     def behind(self) -> bool:
-        """Lag above `_BUSY_LAG`, or the process saturated: defer wake-ups, merge, call no sinks."""
+        """Lag above `_BUSY_LAG`, or the loop saturated: defer wake-ups, merge, call no sinks."""
         return self.saturated or self.lag > _BUSY_LAG
 
     def add(self, inbox: Inbox[Any]) -> None:

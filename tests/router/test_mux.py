@@ -266,7 +266,7 @@ async def test_a_reader_whose_sink_takes_everything_still_sees_the_loop_fall_beh
     # request's last: with long replies the lag stayed at its idle value, sinks went on being
     # called for every token, and the loop fell further behind (a state it could not leave).
     # With no deferral (wake_delay 0) nothing would merge: the sink stays on, saving its task hop.
-    server, address = await _serve(_DripEngine(tokens=400))
+    server, address = await _serve(_DripEngine(tokens=1000))
     channel, mux = _merging_client(address, wake_delay)
     busy = True
 
@@ -283,25 +283,36 @@ async def test_a_reader_whose_sink_takes_everything_still_sees_the_loop_fall_beh
     hogger = asyncio.create_task(hog())
     try:
         sunk: list[list[int]] = []
+        received: list[int] = []         # what the consumer gets, sunk or taken, in the order it gets it
         inbox = mux.open("r")
 
         def sink(item: Any) -> bool:
             if item["finished"]:
                 return False
             sunk.append(item["tokens"])
+            received.extend(item["tokens"])
             return True
         inbox.sink = sink
         mux.post("submit", engine_pb2.EngineRequest(request_id="r"))
         items: list[Any] = []
-        while not (items and items[-1]["finished"]):
-            items += await asyncio.wait_for(inbox.get_ready(), 30)
-        received = [t for s in sunk for t in s] + [t for item in items for t in item["tokens"]]
-        assert received == list(range(400))
-        assert mux._waker.behind and (mux.loop_lag > 0.001) is (hogging == "sleeps")
+
+        async def consume() -> None:    # as the engine stage does: what it takes, it hands on in the same step
+            while not (items and items[-1]["finished"]):
+                taken = await inbox.get_ready()
+                items.extend(taken)
+                received.extend(t for item in taken for t in item["tokens"])
+        await asyncio.wait_for(consume(), 30)
+        assert received == list(range(1000))
+        assert mux._waker.behind
+        if hogging == "sleeps":
+            assert mux.loop_lag > 0.001
+        else:                            # short turns (a lag may still show on a crowded host)
+            assert mux._waker.saturated
         if wake_delay:
-            assert len(sunk) < 100, len(sunk)    # behind: the chunks went to the inbox and merged
+            # behind (seen within a 50 ms window or a few probes): the rest went to the inbox and merged
+            assert len(sunk) < 400, len(sunk)
         else:
-            assert len(sunk) == 399, len(sunk)
+            assert len(sunk) == 999, len(sunk)
     finally:
         busy = False
         await hogger
