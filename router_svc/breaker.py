@@ -152,8 +152,8 @@ class Breaker:
         self.reopenings += 1
         self.open_until = self._clock() + self.backoff
         self.probing = False
+        self._suspect = False                        # no callback: the move below reports the change
         self._move(BreakerState.OPEN)
-        self.suspect = False                         # after the move: the gauge never shows it ready
 
     def _move(self, to: BreakerState) -> None:
         before, self._state = self._state, to

@@ -159,7 +159,7 @@ class _Waker:
         self._pending: list[Inbox[Any]] = []
         self._due = 0.0                    # when the scheduled flush should run; 0 = none scheduled
         self._probing = False              # a lag probe is scheduled
-        self._window: tuple[float, float, bool] | None = None   # (loop time, idle or CPU s, idle?) at its start
+        self._window: tuple[float, float] | None = None   # (loop time, busy seconds) at its start
         self.lag = 0.0                     # smoothed lag of flushes and probes (s)
         self.saturated = False             # the loop was busy >= _BUSY_SHARE of the last window
         self.flushes = 0
@@ -178,15 +178,11 @@ class _Waker:
         window = self._window
         if window is None or now - window[0] >= _BUSY_WINDOW:
             idle = idle_seconds(loop)
-            mark = (now, idle, True) if idle is not None else (now, time.process_time(), False)
+            # busy seconds so far: time not spent waiting in the selector; else the process's CPU time
+            busy = now - idle if idle is not None else time.process_time()
             if window is not None:
-                began, counted, metered = window
-                if metered:      # time not spent waiting in the selector
-                    busy = (now - began) - (mark[1] - counted)
-                else:            # fallback: the process's CPU time
-                    busy = mark[1] - counted
-                self.saturated = busy >= _BUSY_SHARE * (now - began)
-            self._window = mark
+                self.saturated = busy - window[1] >= _BUSY_SHARE * (now - window[0])
+            self._window = (now, busy)
 
     @property
     def defers(self) -> bool:
