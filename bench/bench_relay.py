@@ -47,6 +47,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import grpc
 import psutil
 
+from services.errors import REASON_KEY
+
 API_KEY = "trk-bench-relay"
 # The sim draws ids below --sim-vocab-size; the byte-level tokenizer's ids 32..126 are printable
 # ASCII bytes, each decoded to one character, so a delta's length is its token count. Below 128
@@ -477,7 +479,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _describe(exc: BaseException) -> str:
     """One line for the report: a gRPC error's status, reason and details (a repr spans lines)."""
     if isinstance(exc, grpc.aio.AioRpcError):
-        reason = dict(exc.trailing_metadata() or ()).get("tokenrelay-reason", "")
+        reason = dict(exc.trailing_metadata() or ()).get(REASON_KEY, "")
         return f"{exc.code().name} {reason} {exc.details() or ''}".replace("\n", " ")[:300]
     return repr(exc).replace("\n", " ")[:300]
 

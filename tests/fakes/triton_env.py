@@ -64,9 +64,7 @@ class TritonProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole group at once: the server vanishes mid-stream, as in a crash or a lost host."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
+        self.stop()
 
     def stop(self) -> None:
         """SIGKILL the group, tritonserver and its Python stubs too. Not SIGTERM: tritonserver exits on
