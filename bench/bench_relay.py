@@ -220,7 +220,7 @@ def start_mesh(args: argparse.Namespace, procs: Procs) -> Mesh:
     router_cpus = cpu_list(args.router_cpus)
     ports = [procs.service(f"router{i}", "router_svc", [
         "--tokenizers", ",".join(toks), "--engines", ",".join(engs), "--redis-url", f"unix://{sock}",
-        "--tenants-file", str(tenants),
+        "--tenants-file", str(tenants), "--tokenizer-files", str(tokenizer),   # for --detokenize local
         *args.router_arg], [router_cpus[i % len(router_cpus)]] if router_cpus else [])
         for i in range(args.routers)]
     routers = [procs.wait_port(f"router{i}", p) for i, p in enumerate(ports)]

@@ -101,10 +101,12 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
                  engine_attempts: int = 2, progress_timeout: float = 10.0, bounds: Any = None,
                  registry: Any = None, affinity: Any = None, gate: Any = None, placement: Any = None,
                  default_max_queued: int = 256, engine_migrations: int = 2, pools: Any = None,
-                 shadow: Any = None, admit_while_tokenizing: bool = True) -> Any:
+                 shadow: Any = None, admit_while_tokenizing: bool = True, detokenize: Any = None) -> Any:
     """A `pipeline.Router` over the concrete upstreams (`TokenizerUpstream`, `EnginePool`) and the
     admission queue (`admission.Admission`, a `ports.Admission` itself); registry / affinity /
-    gate / placement default to the in-process ones. `app.py` and the tests wire through this."""
+    gate / placement default to the in-process ones; `detokenize` (a `ports.Detokenize`, e.g.
+    `local_detok.LocalDetokenize`) defaults to the tokenizer's Detokenize stream. `app.py` and the
+    tests wire through this."""
     from .pipeline import Ports, Router, RouterOptions
     from .placement import LeastLoaded, LocalSessionAffinity
     from .request import LocalRequestRegistry
@@ -114,7 +116,7 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
     if hasattr(admission, "use_engines"):     # the admission queue dispatches only while the engines have room
         # ...of the pools that get traffic: a shadow-only pool's replicas are no room for primary work
         admission.use_engines(getattr(pools, "routed_snapshots", engine_port.snapshots))
-    ports = Ports(tokenizer, DetokenizeAdapter(tokenizer), engine_port, admission,
+    ports = Ports(tokenizer, detokenize or DetokenizeAdapter(tokenizer), engine_port, admission,
                   placement or LeastLoaded(), affinity or LocalSessionAffinity(),
                   registry or LocalRequestRegistry(), gate or NoGate(), pools, shadow)
     return Router(ports, RouterOptions(request_timeout, engine_attempts, progress_timeout, bounds or DEFAULT_BOUNDS,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from services import gcstats
 from services.errors import TokenrelayError
@@ -16,7 +17,7 @@ from services.tracing import ServerTracingInterceptor, configure_tracing
 from .adapters import EnginesAdapter, build_router
 from .admission import Admission
 from .cluster import RedisCluster
-from .config import RouterSettings, RoutingSettings
+from .config import RouterSettings, RoutingSettings, UpstreamSettings
 from .discovery import TokenizerDiscovery, resolve_once
 from .discovery import from_settings as discovery_from_settings
 from .kv_events import KvEventFeeds
@@ -31,6 +32,9 @@ from .tenants import TenantsFileError
 from .tenants_reload import TenantsReloader
 from .upstreams import TokenizerUpstream
 from .validation import Bounds
+
+if TYPE_CHECKING:
+    from .local_detok import LocalDetokenize
 
 log = get_logger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -47,6 +51,26 @@ async def _wait_tokenizer(tokenizer: TokenizerUpstream, timeout: float) -> None:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+async def _local_detokenizer(upstreams: UpstreamSettings, tokenizer: TokenizerUpstream) -> LocalDetokenize | None:
+    """With --detokenize local: the tokenizer files loaded here, refused unless they are the
+    tokenizer service's (router_svc/local_detok.py); else None (the Detokenize stream is used)."""
+    if upstreams.detokenize != "local":
+        return None
+    from .local_detok import PROBE, load_local, mismatch
+
+    try:
+        local = load_local(upstreams.tokenizer_files)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"router_svc: --tokenizer-files {upstreams.tokenizer_files}: {exc}") from None
+    assert tokenizer.meta is not None    # _wait_tokenizer read it
+    why = mismatch(local.tokenizer, tokenizer.meta, await tokenizer.tokenize(text=PROBE))
+    if why:
+        raise SystemExit(f"router_svc: --tokenizer-files {upstreams.tokenizer_files} is not the tokenizer "
+                         f"service's tokenizer ({why}); --detokenize local would garble replies")
+    log.info("detokenizing_locally", tokenizer=local.tokenizer.name, vocab=local.tokenizer.vocab_size)
+    return local
 
 
 def _placement(routing: RoutingSettings) -> tuple[Placement, PrefixIndex | None]:
@@ -87,12 +111,14 @@ async def serve(settings: RouterSettings) -> None:
     # dns: tokenizer entries followed while serving (a tokenizer Deployment scaled up or down).
     tokenizers = TokenizerDiscovery(upstreams.tokenizers, tokenizer, upstreams.dns_interval)
     feeds: KvEventFeeds | None = None
+    local_detok: LocalDetokenize | None = None
     share: PlacementShare | None = None
     pools: PoolControl | None = None
     try:
         await tenants.start()  # before the slow waits, so a SIGHUP during startup reloads, not kills
         await cluster.start()
         await _wait_tokenizer(tokenizer, upstreams.startup_timeout)
+        local_detok = await _local_detokenizer(upstreams, tokenizer)
         tokenizers.start()
         await discovery.start()   # static and dns: entries, the registry: before the first poll
         await engines.start()
@@ -128,7 +154,7 @@ async def serve(settings: RouterSettings) -> None:
             gate=gate, registry=cluster.registry, affinity=cluster.sessions,
             default_max_queued=adm.default_max_queued, placement=placement,
             engine_migrations=settings.routing.engine_migrations, pools=pools.selector, shadow=pools.shadow,
-            admit_while_tokenizing=adm.admit_while_tokenizing)
+            admit_while_tokenizing=adm.admit_while_tokenizing, detokenize=local_detok)
         server = GrpcServer(settings.server.host, settings.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
                             security=settings.security, reuse_port=settings.cluster.reuse_port)
         add_to_server(InferenceServicer(router, tenants), server.server)
@@ -157,4 +183,6 @@ async def serve(settings: RouterSettings) -> None:
         await engines.close()
         await tokenizers.close()
         await tokenizer.close()
+        if local_detok is not None:
+            local_detok.close()
         await admission.close()

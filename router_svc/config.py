@@ -45,6 +45,21 @@ class UpstreamSettings(Section):
         MAX_BYTES, ge=1, description="most input bytes in Tokenize calls in flight per tokenizer replica "
                                      "(below the replica's --max-pending-bytes)")
 
+    detokenize: Literal["tokenizer", "local"] = Field(
+        "tokenizer", description="where replies are detokenized: tokenizer (the tokenizer service's multiplexed "
+                                 "Detokenize stream) or local (in this process, from --tokenizer-files: one hop "
+                                 "less per token, measured in docs/benchmarks.md; prompts are still tokenized by "
+                                 "the tokenizer service)")
+    tokenizer_files: str = Field("", max_length=4096, description="with --detokenize local: the model directory "
+                                 "or tokenizer.json the tokenizer service serves (checked against it at start)")
+
+    @model_validator(mode="after")
+    def _local_detokenize(self) -> UpstreamSettings:
+        if self.detokenize == "local" and not self.tokenizer_files:
+            raise conflict("--detokenize local needs --tokenizer-files (the tokenizer service's files)",
+                           "detokenize", "tokenizer_files")
+        return self
+
     @field_validator("tokenizers")
     @classmethod
     def _addresses(cls, addresses: list[str]) -> list[str]:

@@ -193,6 +193,25 @@ class DetokStream:
         else:
             _abandon(requests.values())
 
+    # -- one request at a time (a router detokenizing in its own process, router_svc/local_detok.py)
+    def open(self, item: OpenRequest) -> str:
+        """Open one request; an error code (Output.error's) or "" when it is open."""
+        with self._lock:
+            return self._open(item)
+
+    def feed(self, item: TokenBatch) -> Output | None:
+        """Apply one request's new ids; its output (None: nothing to say, e.g. trailing ids)."""
+        with self._lock:
+            return self._tokens(item)
+
+    def discard(self, request_id: str) -> None:
+        """Drop a request that will get no more ids (its span ends as closed)."""
+        with self._lock:
+            closed = self._requests.pop(request_id, None)
+            self._finished.pop(request_id, None)
+        if closed is not None:
+            closed.end("closed")
+
     def apply(self, batch: StreamBatch) -> list[Output]:
         """Apply the whole batch (opens, then tokens, then closes) and return its outputs."""
         applied = _Applied()

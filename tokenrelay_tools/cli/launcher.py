@@ -260,7 +260,9 @@ class Mesh:
         than one, every router binds with SO_REUSEPORT, so they serve one address."""
         n = max(1, self.o.routers)
         tenants = self.o.tenants_file.resolve() if self.o.tenants_file else self._write_tenants()
+        # --tokenizer-files: what the tokenizers serve, for --router-arg=--detokenize=local.
         argv = ["--tokenizers", ",".join(tok_addrs), "--engines", ",".join(eng_addrs),
+                "--tokenizer-files", str(self.o.model),
                 "--redis-url", self.redis_url, "--tenants-file", str(tenants),
                 *self.router_flags(), *self.o.router_args]
         if n > 1:
