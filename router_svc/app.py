@@ -35,6 +35,7 @@ from .validation import Bounds
 
 if TYPE_CHECKING:
     from .local_detok import LocalDetokenize
+    from .local_tokenize import LocalTokenize
 
 log = get_logger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -53,24 +54,34 @@ async def _wait_tokenizer(tokenizer: TokenizerUpstream, timeout: float) -> None:
             await asyncio.sleep(0.2)
 
 
-async def _local_detokenizer(upstreams: UpstreamSettings, tokenizer: TokenizerUpstream) -> LocalDetokenize | None:
-    """With --detokenize local: the tokenizer files loaded here, refused unless they are the
-    tokenizer service's (router_svc/local_detok.py); else None (the Detokenize stream is used)."""
-    if upstreams.detokenize != "local":
-        return None
-    from .local_detok import PROBE, load_local, mismatch
+async def _local_tokenizer(upstreams: UpstreamSettings, tokenizer: TokenizerUpstream,
+                           ) -> tuple[LocalDetokenize | None, LocalTokenize | None]:
+    """With --detokenize local and/or --tokenize-local-bytes: the tokenizer files loaded here once,
+    refused unless they are the tokenizer service's (router_svc/local_detok.py, local_tokenize.py)."""
+    if upstreams.detokenize != "local" and not upstreams.tokenize_local_bytes:
+        return None, None
+    from .local_detok import PROBE, LocalDetokenize, load_files, mismatch
+    from .local_tokenize import LocalTokenize, template_of
 
+    files = upstreams.tokenizer_files
     try:
-        local = load_local(upstreams.tokenizer_files)
+        loaded = load_files(files)
+        template = template_of(loaded, upstreams.tokenizer_chat_template)
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"router_svc: --tokenizer-files {upstreams.tokenizer_files}: {exc}") from None
+        raise SystemExit(f"router_svc: --tokenizer-files {files}: {exc}") from None
     assert tokenizer.meta is not None    # _wait_tokenizer read it
-    why = mismatch(local.tokenizer, tokenizer.meta, await tokenizer.tokenize(text=PROBE))
+    why = mismatch(loaded, tokenizer.meta, await tokenizer.tokenize(text=PROBE))
+    local_tok = None
+    if not why and upstreams.tokenize_local_bytes:
+        local_tok = LocalTokenize(tokenizer, loaded, template, upstreams.tokenize_local_bytes)
+        await local_tok.start()
+        why = await local_tok.check()
     if why:
-        raise SystemExit(f"router_svc: --tokenizer-files {upstreams.tokenizer_files} is not the tokenizer "
-                         f"service's tokenizer ({why}); --detokenize local would garble replies")
-    log.info("detokenizing_locally", tokenizer=local.tokenizer.name, vocab=local.tokenizer.vocab_size)
-    return local
+        raise SystemExit(f"router_svc: --tokenizer-files {files} is not the tokenizer service's tokenizer "
+                         f"({why}); local (de)tokenization would send other ids or text than it")
+    log.info("tokenizer_local", tokenizer=loaded.name, vocab=loaded.vocab_size,
+             detokenize=upstreams.detokenize, tokenize_local_bytes=upstreams.tokenize_local_bytes)
+    return (LocalDetokenize(loaded) if upstreams.detokenize == "local" else None), local_tok
 
 
 def _placement(routing: RoutingSettings) -> tuple[Placement, PrefixIndex | None]:
@@ -112,13 +123,14 @@ async def serve(settings: RouterSettings) -> None:
     tokenizers = TokenizerDiscovery(upstreams.tokenizers, tokenizer, upstreams.dns_interval)
     feeds: KvEventFeeds | None = None
     local_detok: LocalDetokenize | None = None
+    local_tok: LocalTokenize | None = None
     share: PlacementShare | None = None
     pools: PoolControl | None = None
     try:
         await tenants.start()  # before the slow waits, so a SIGHUP during startup reloads, not kills
         await cluster.start()
         await _wait_tokenizer(tokenizer, upstreams.startup_timeout)
-        local_detok = await _local_detokenizer(upstreams, tokenizer)
+        local_detok, local_tok = await _local_tokenizer(upstreams, tokenizer)
         tokenizers.start()
         await discovery.start()   # static and dns: entries, the registry: before the first poll
         await engines.start()
@@ -146,7 +158,7 @@ async def serve(settings: RouterSettings) -> None:
         limits = settings.limits
         gate.start()
         router = build_router(
-            tokenizer, engines, admission, request_timeout=limits.request_timeout,
+            local_tok or tokenizer, engines, admission, request_timeout=limits.request_timeout,
             engine_attempts=settings.routing.engine_attempts,
             progress_timeout=settings.routing.engine_progress_timeout,
             bounds=Bounds(limits.max_session_id, limits.max_model_name, limits.max_messages,
@@ -185,4 +197,6 @@ async def serve(settings: RouterSettings) -> None:
         await tokenizer.close()
         if local_detok is not None:
             local_detok.close()
+        if local_tok is not None:
+            await local_tok.close()
         await admission.close()

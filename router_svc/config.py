@@ -53,11 +53,21 @@ class UpstreamSettings(Section):
     tokenizer_files: str = Field("", max_length=4096, description="with --detokenize local: the model directory "
                                  "or tokenizer.json the tokenizer service serves (checked against it at start)")
 
+    tokenize_local_bytes: int = Field(
+        0, ge=0, le=1 << 20, description="tokenize prompts of at most this many bytes (a text, or a chat's roles "
+                                         "and contents) in this process from --tokenizer-files, longer ones at the "
+                                         "tokenizer service (0 = all there; router_svc/local_tokenize.py)")
+    tokenizer_chat_template: str = Field("", max_length=4096, description="with --tokenize-local-bytes: the "
+                                         "--chat-template override the tokenizer service runs with, if any")
+
     @model_validator(mode="after")
     def _local_detokenize(self) -> UpstreamSettings:
         if self.detokenize == "local" and not self.tokenizer_files:
             raise conflict("--detokenize local needs --tokenizer-files (the tokenizer service's files)",
                            "detokenize", "tokenizer_files")
+        if self.tokenize_local_bytes and not self.tokenizer_files:
+            raise conflict("--tokenize-local-bytes needs --tokenizer-files (the tokenizer service's files)",
+                           "tokenize_local_bytes", "tokenizer_files")
         return self
 
     @field_validator("tokenizers")

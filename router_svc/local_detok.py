@@ -102,7 +102,8 @@ def mismatch(local: LoadedTokenizer, remote: TokenizerMeta, remote_probe_ids: li
     problems = []
     if local.vocab_size != remote.vocab_size:
         problems.append(f"vocabulary {local.vocab_size} here, {remote.vocab_size} at the tokenizer service")
-    if sorted(local.eos_token_ids) != sorted(remote.eos_token_ids):
+    # The service adds a chat template override's end-of-turn ids to the model's: the model's must be there.
+    if not set(local.eos_token_ids) <= set(remote.eos_token_ids):
         problems.append(f"end-of-sequence ids {sorted(local.eos_token_ids)} here, "
                         f"{sorted(remote.eos_token_ids)} at the tokenizer service")
     here = local.tokenizer.encode(PROBE, add_special_tokens=True).ids
@@ -112,8 +113,13 @@ def mismatch(local: LoadedTokenizer, remote: TokenizerMeta, remote_probe_ids: li
     return "; ".join(problems)
 
 
-def load_local(path: str) -> LocalDetokenize:
-    """The tokenizer at `path` (a model directory or tokenizer.json), ready to detokenize."""
+def load_files(path: str) -> LoadedTokenizer:
+    """The tokenizer at `path` (a model directory or tokenizer.json); OSError / ValueError if bad."""
     from tokenizer_svc.loader import TokenizerFiles, load_tokenizer
 
-    return LocalDetokenize(load_tokenizer(TokenizerFiles.discover(path)))
+    return load_tokenizer(TokenizerFiles.discover(path))
+
+
+def load_local(path: str) -> LocalDetokenize:
+    """The tokenizer at `path`, ready to detokenize."""
+    return LocalDetokenize(load_files(path))

@@ -1,8 +1,10 @@
-"""`--detokenize local` with real processes: a tokenizer, a sim engine and two routers over one
-Redis, one detokenizing through the tokenizer's Detokenize stream, one in its own process
-(router_svc/local_detok.py). The sim's greedy tokens are a pure function of the prompt, so the
-two routers must send the client the same text, token for token, stop strings included; and a
-router given tokenizer files that are not the tokenizer service's refuses to start."""
+"""`--detokenize local` and `--tokenize-local-bytes` with real processes: a tokenizer, a sim engine
+and three routers over one Redis: one using the tokenizer service for both, one detokenizing in its
+own process (router_svc/local_detok.py), one tokenizing short prompts there too
+(router_svc/local_tokenize.py). The sim's greedy tokens are a pure function of the prompt ids, so
+every router must send the client the same ids and the same text, token for token, stop strings
+and chats included; and a router given tokenizer files that are not the tokenizer service's
+refuses to start."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from services.errors import Reason, TokenrelayError
 from tests.e2e.prockit import KEYS, Procs
 from tests.meshkit import scrape
 from tests.waiting import poll
+from tokenrelay_tools.cli.launcher import engine_args_for
 
 PROMPTS = ["local or remote", "the same text either way", "x" * 300, "naïve 世界 🙂"]
 
@@ -26,7 +29,8 @@ async def routers(tmp_path, redis_url):
         await p.upstreams(engines=1)
         p.router("remote")
         p.router("local", "--detokenize", "local", "--tokenizer-files", str(p.model))
-        await p.ready("remote", "local")
+        p.router("both", "--detokenize", "local", "--tokenize-local-bytes", "200", "--tokenizer-files", str(p.model))
+        await p.ready("remote", "local", "both")
         yield p
     finally:
         p.stop()
@@ -64,6 +68,35 @@ async def test_local_detokenization_sends_what_the_tokenizer_service_sends(route
     assert detokenized("local") == sent
 
 
+async def test_short_prompts_tokenized_in_the_router_get_the_tokenizer_services_ids(routers):
+    p = routers
+    async with Client(p.addr["remote"], KEYS["t1"]) as remote, Client(p.addr["both"], KEYS["t1"]) as both:
+        # PROMPTS[2] (300 bytes) is over the local bound: it goes to the tokenizer service.
+        for prompt in [*PROMPTS, "<|endoftext|> is only text here"]:
+            want = await remote.generate(prompt, max_tokens=24, ignore_eos=True, return_token_ids=True)
+            got = await both.generate(prompt, max_tokens=24, ignore_eos=True, return_token_ids=True)
+            assert got.finished.prompt_tokens == want.finished.prompt_tokens, prompt
+            assert (got.token_ids, got.text) == (want.token_ids, want.text), prompt
+        turns = ["hello there", "and a second turn, longer than the first one " * 2, "third"]
+        history, local_chats = [("system", "be brief")], 0
+        async with remote.chat(system="be brief", session_id="s1") as a, both.chat(system="be brief",
+                                                                                   session_id="s1") as b:
+            for turn in turns:
+                want = await a.say(turn, max_tokens=16, ignore_eos=True)
+                got = await b.say(turn, max_tokens=16, ignore_eos=True)
+                assert got.finished.prompt_tokens == want.finished.prompt_tokens
+                assert got.text == want.text
+                history.append(("user", turn))
+                local_chats += sum(len(r.encode()) + len(c.encode()) for r, c in history) <= 200
+                history.append(("assistant", want.text))
+    assert 0 < local_chats < len(turns)   # the conversation outgrew the bound: both paths ran
+    # Encoded in the router: the two start probes, the short texts (all but the 300-byte one), the
+    # chats within the bound; the rest went to the tokenizer service.
+    tokenized = sum(v for (metric, labels), v in scrape(p.metrics["both"]).items()
+                    if metric == "tokenrelay_tokenizer_tokenize_inputs_total")
+    assert tokenized == 2 + len(PROMPTS) + local_chats
+
+
 async def test_a_request_that_ends_early_leaves_no_state_in_the_router(routers):
     p = routers
     async with Client(p.addr["local"], KEYS["t1"]) as local:
@@ -95,5 +128,26 @@ async def test_tokenizer_files_that_are_not_the_services_are_refused_at_start(tm
         assert p.procs["wrong"].returncode != 0
         log = p.log("wrong")
         assert "is not the tokenizer service's tokenizer" in log and "vocabulary 3 here" in log, log
+    finally:
+        p.stop()
+
+
+async def test_a_chat_template_override_must_be_given_to_the_router_too(tmp_path, redis_url):
+    p = Procs(tmp_path, redis_url)
+    try:
+        p.spawn("tok", "tokenizer_svc", "--tokenizer", str(p.model), "--chat-template", "gemma")
+        p.spawn("e0", "engine_svc", "--backend", "sim", "--model", str(p.model), *engine_args_for(p.model, "sim"))
+        await p.ready("tok", "e0")
+        local = ["--tokenize-local-bytes", "4096", "--tokenizer-files", str(p.model)]
+        p.router("plain", *local)
+        p.router("same", *local, "--tokenizer-chat-template", "gemma")
+        await p.ready("same")
+        await poll(lambda: p.procs["plain"].poll() is not None, timeout=60, what="the router to refuse")
+        assert p.procs["plain"].returncode != 0
+        assert "a probe chat encodes to other ids" in p.log("plain") and "--tokenizer-chat-template" in p.log("plain")
+        async with Client(p.addr["same"], KEYS["t1"]) as client:
+            async with client.chat(system="s") as chat:
+                reply = await chat.say("hi", max_tokens=3, ignore_eos=True)
+        assert reply.finished.completion_tokens == 3
     finally:
         p.stop()
