@@ -210,8 +210,10 @@ class Router:
         # first await: a second identical id of this tenant fails, the first runs. An early
         # admission's queue entry is this request's own (the admission names entries by a nonce),
         # so a duplicate's never touches the first's.
-        tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
+        # The early admission first: its ENQUEUE is on its way before an encode in this process
+        # (router_svc/local_tokenize.py) holds the loop.
         estimate, early = self._early(tenant, state, rctx)
+        tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
         try:
             claimed = await registry.claim(tenant.name, state.request_id)
         except BaseException:

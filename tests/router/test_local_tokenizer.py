@@ -1,12 +1,16 @@
-"""`LocalDetokenize` (router_svc/local_detok.py) with the byte-level tokenizer: the port's contract
-(outputs merged while not taken, a failure as a marker, state dropped on close) and the start
-check that refuses another tokenizer."""
+"""The router's own tokenizer, with the byte-level tokenizer: `LocalDetokenize` (router_svc/
+local_detok.py: outputs merged while not taken, a failure as a marker, state dropped on close, the
+start check that refuses another tokenizer) and `LocalTokenize` (local_tokenize.py: which prompts
+are encoded here, and that an encode on the loop lets the early ENQUEUE go out first)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from router_svc.local_detok import PROBE, LocalDetokenize, load_local, mismatch
+from router_svc.local_tokenize import LocalTokenize, template_of
 from router_svc.types import DetokOut, TokenizerMeta
 from services.errors import Reason
 from services.mux import StreamBroken
@@ -85,3 +89,57 @@ def test_the_start_check_accepts_the_same_tokenizer_and_names_each_difference(lo
     assert f"vocabulary {tok.vocab_size} here, {tok.vocab_size + 1}" in why
     assert "end-of-sequence ids" in why and "probe text encodes to" in why
     assert "different ids" in mismatch(tok, same, [i + 1 for i in probe])
+
+
+class _Remote:
+    """The tokenizer service as `LocalTokenize` sees it: metadata and Tokenize (records calls)."""
+
+    def __init__(self, tok, has_chat_template: bool = True) -> None:
+        self.meta = TokenizerMeta(tok.name, tok.vocab_size, list(tok.eos_token_ids), tok.bos_token_id,
+                                  tok.max_context, has_chat_template)
+        self.calls: list[dict] = []
+
+    async def tokenize(self, **kw):
+        self.calls.append(kw)
+        return [1, 2, 3]
+
+
+def _local_tok(local: LocalDetokenize, max_bytes: int = 64, **kw) -> LocalTokenize:
+    tok = local.tokenizer
+    return LocalTokenize(_Remote(tok, **kw), tok, template_of(tok, ""), max_bytes)
+
+
+async def test_short_prompts_are_encoded_here_long_ones_and_chats_without_a_service_template_there(local):
+    lt = _local_tok(local)
+    await lt.start()
+    try:
+        assert await lt.tokenize(text="short") == local.tokenizer.tokenizer.encode("short").ids
+        assert await lt.tokenize(text="x" * 65) == [1, 2, 3]                  # over the bound: the service
+        chat = [("user", "hi")]
+        assert await lt.tokenize(messages=chat) != [1, 2, 3]
+        assert len(lt.remote.calls) == 1 and lt.local_calls == 2
+        none = _local_tok(local, has_chat_template=False)   # the service has no template: its answer counts
+        assert await none.tokenize(messages=chat) == [1, 2, 3]
+    finally:
+        await lt.close()
+
+
+async def test_an_encode_here_lets_the_early_enqueue_reach_redis_first(local):
+    """The early ENQUEUE takes two loop turns to be written (the batcher's flush, then the Redis
+    pipeline's task); an encode on the loop must not run before them."""
+    lt = _local_tok(local)
+    await lt.start()
+    order: list[str] = []
+    real = lt.encoder.tokenize
+
+    async def encode(items, finish=None):
+        order.append("encode")
+        return await real(items)
+    lt.encoder.tokenize = encode   # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    loop.call_soon(lambda: loop.call_soon(lambda: order.append("written")))
+    try:
+        await lt.tokenize(text="hello")
+    finally:
+        await lt.close()
+    assert order == ["written", "encode"]
