@@ -8,11 +8,13 @@ refuses to start."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 
 import pytest
 
-from services.client import Client
+from services.client import Client, Finished, TextDelta
 from services.errors import Reason, TokenrelayError
 from tests.e2e.prockit import KEYS, Procs
 from tests.meshkit import scrape
@@ -151,3 +153,28 @@ async def test_a_chat_template_override_must_be_given_to_the_router_too(tmp_path
         assert reply.finished.completion_tokens == 3
     finally:
         p.stop()
+
+
+async def test_a_tokenizer_killed_mid_stream_costs_local_detokenization_nothing(routers):
+    p = routers
+
+    async def run(address: str, first: asyncio.Event) -> object:
+        async with Client(address, KEYS["t1"]) as client:
+            n = 0
+            try:
+                async for event in client.stream("keep going", max_tokens=120, ignore_eos=True):
+                    if isinstance(event, TextDelta):
+                        first.set()
+                    if isinstance(event, Finished):
+                        n = event.completion_tokens
+            except TokenrelayError as exc:
+                return exc.reason
+            return n
+
+    started = {name: asyncio.Event() for name in ("remote", "local")}
+    runs = {name: asyncio.create_task(run(p.addr[name], started[name])) for name in started}
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 30)
+    p.procs["tok"].send_signal(signal.SIGKILL)
+    got = {name: await asyncio.wait_for(task, 60) for name, task in runs.items()}
+    assert got["local"] == 120                              # finished: it needed no tokenizer any more
+    assert got["remote"] == Reason.UPSTREAM_UNAVAILABLE     # its Detokenize stream broke: typed, retryable
