@@ -29,6 +29,9 @@ from tokenizer_svc.loader import LoadedTokenizer
 from .local_detok import PROBE
 
 _YIELDS = 2
+# Chat sessions' token prefixes kept for incremental tokenization (ids as uint32 plus their text:
+# ~8 bytes per token, ~16 MB at most; the tokenizer service keeps 20M tokens by default).
+CHAT_CACHE_TOKENS = 2_000_000
 PROBE_CHAT = [("system", "You are a careful assistant."), ("user", PROBE), ("assistant", "Noted."),
               ("user", "And <b>again</b>?")]
 
@@ -49,7 +52,7 @@ class LocalTokenize:
         self.max_bytes = max_bytes
         # Inline for anything it takes: a call that finds the encoder busy goes to its one worker.
         limits = EncoderLimits(max_input_tokens=tokenizer.max_context, inline_bytes=max_bytes)
-        self.encoder = Encoder(tokenizer, template, limits, workers=1)
+        self.encoder = Encoder(tokenizer, template, limits, workers=1, chat_cache_tokens=CHAT_CACHE_TOKENS)
         self.local_calls = 0
 
     @property
