@@ -142,7 +142,12 @@ class EngineStage:
 
     async def _view(self, state: RequestState) -> PlacementView:
         session = state.inp.session_id
-        sticky = await self.affinity.get(state.tenant, session) if session else ""
+        if not session:
+            sticky = ""
+        elif state.sticky is not None:    # asked for when the request arrived (pipeline.py)
+            sticky = await state.sticky
+        else:
+            sticky = await self.affinity.get(state.tenant, session)
         if self.pools is not None and not state.pool:
             state.pool = self.pools.choose(state.tenant, session, state.request_id)
         return PlacementView(state.tenant, session, len(state.prompt_ids), sticky, state.pool,

@@ -214,6 +214,8 @@ class Router:
         # (router_svc/local_tokenize.py) holds the loop.
         estimate, early = self._early(tenant, state, rctx)
         tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
+        if inp.session_id:   # the session's replica, fetched meanwhile (placement reads it), after those
+            state.sticky = _quiet(asyncio.ensure_future(self.ports.affinity.get(tenant.name, inp.session_id)))
         try:
             claimed = await registry.claim(tenant.name, state.request_id)
         except BaseException:
@@ -531,6 +533,12 @@ async def _discard(task: asyncio.Future[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+def _quiet(fut: asyncio.Future[str]) -> asyncio.Future[str]:
+    """A prefetch nobody may read (the request ended first): its outcome is retrieved, never logged."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
 
 
 def _final_refusal(early: asyncio.Future[Admitting]) -> bool:

@@ -45,6 +45,9 @@ class RequestState:
     t_admitted: float = 0.0
     t_first: float | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    # The session's replica, asked for when the request arrived (a Redis round trip with several
+    # routers), so that placement does not wait for it after tokenization and admission.
+    sticky: asyncio.Future[str] | None = field(default=None, repr=False)
     # The id on the engine and detokenizer streams: unique per request, so two tenants' (or two
     # routers') identical client ids never meet upstream.
     upstream_id: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -16,7 +16,7 @@ from router_svc.ports import AdmitRequest
 from router_svc.request import LocalRequestRegistry, PromptEstimate
 from router_svc.types import Done, GenerateInput, Sampling
 from services.errors import Reason, TokenrelayError
-from tests.router.core_fakes import TENANT, FakeAdmission, FakeAdmitting, core
+from tests.router.core_fakes import TENANT, FakeAdmission, FakeAdmitting, FakeReplica, core
 from tests.waiting import poll
 
 MAX_TOKENS = 8
@@ -240,3 +240,29 @@ async def test_admission_does_not_wait_for_the_id_claim_and_a_duplicate_gives_it
         await asyncio.wait_for(run, 5)
     assert info.value.reason == Reason.DUPLICATE_REQUEST_ID
     assert c.admission.held == set() and c.router.in_flight == 0
+
+
+async def test_a_sessions_replica_is_asked_for_while_the_prompt_is_tokenized() -> None:
+    """With several routers the session lookup is a Redis round trip: it runs alongside Tokenize and
+    admission, and placement reads its answer instead of asking after them."""
+    c = core(FakeReplica("e1"), FakeReplica("e2"))
+    asked: list[str] = []
+    affinity = c.router.ports.affinity
+    real_get = affinity.get
+
+    async def get(tenant: str, session_id: str) -> str:
+        asked.append(session_id)
+        return await real_get(tenant, session_id)
+    affinity.get = get   # type: ignore[method-assign]
+    first = await _drain(c.router.generate(TENANT, _inp(request_id="t1", session_id="s1")))
+    assert isinstance(first[-1], Done) and asked == ["s1"]
+    (home,) = [r for r in c.engines.replicas.values() if r.submitted]
+    home.in_flight += 3      # least-loaded alone would now pick the other replica
+    c.tokenizer.gate = asyncio.Event()                  # the next Tokenize waits
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="t2", session_id="s1"))))
+    await poll(lambda: len(asked) == 2, what="the session lookup before the prompt is tokenized")
+    assert not run.done()
+    c.tokenizer.gate.set()
+    events = await asyncio.wait_for(run, 5)
+    assert isinstance(events[-1], Done) and len(asked) == 2   # placement asked no second time
+    assert len(home.submitted) == 2                            # and the session stuck to its replica
