@@ -9,7 +9,7 @@ text lands in the request's inbox, waking the delta loop once per burst, as the 
 does. Prompts are still tokenized by the tokenizer service, which stays the scaled-out home of
 the expensive part (encoding long prompts).
 
-The decoding itself is the tokenizer service's own code (`tokenizer_svc.detok_stream`: the
+The decoding itself is the tokenizer service's own code (`services.tokenization.detok_stream`: the
 incremental decoder, stop strings, special tokens, vocabulary checks), over the same tokenizer
 files (`--tokenizer-files`); `app.py` compares them with the tokenizer service's `Info` at start
 and refuses to start on a mismatch (another vocabulary would garble every reply).
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from services.errors import Reason
 from services.mux import Inbox, StreamBroken
-from tokenizer_svc.detok_stream import DetokStream, OpenRequest, Output, TokenBatch
-from tokenizer_svc.loader import LoadedTokenizer
+from services.tokenization.detok_stream import DetokStream, OpenRequest, Output, TokenBatch
+from services.tokenization.loader import LoadedTokenizer
 
 from .tokenizer_upstream import _detok_merge
 from .types import DetokOut, TokenizerMeta
@@ -115,7 +115,7 @@ def mismatch(local: LoadedTokenizer, remote: TokenizerMeta, remote_probe_ids: li
 
 def load_files(path: str) -> LoadedTokenizer:
     """The tokenizer at `path` (a model directory or tokenizer.json); OSError / ValueError if bad."""
-    from tokenizer_svc.loader import TokenizerFiles, load_tokenizer
+    from services.tokenization.loader import TokenizerFiles, load_tokenizer
 
     return load_tokenizer(TokenizerFiles.discover(path))
 

@@ -4,7 +4,7 @@ The Tokenize round trip is the largest piece of the time the mesh adds to a requ
 at light load (3.3–4.2 ms at p50 on quiet cores, against 0.7 ms of encoding in the tokenizer's own
 span: docs/benchmarks.md), and a short prompt costs less to encode than that call costs the router
 in CPU. With this option, a prompt of at most N bytes (a text, or a chat's roles and contents) is
-encoded here by the tokenizer service's own encoder (`tokenizer_svc.encoder.Encoder`: the chat
+encoded here by the tokenizer service's own encoder (`services.tokenization.encoder.Encoder`: the chat
 template, special-token text kept as text unless the tenant may send control tokens, the chat
 prefix cache per session, the same limits and typed errors), on the event loop when it finds the
 encoder idle, else on one worker thread (the library's `encode_batch` releases the GIL). Longer
@@ -22,9 +22,9 @@ import asyncio
 from typing import Any
 
 from services.errors import Reason
-from tokenizer_svc.chat_template import ChatTemplate, resolve_template
-from tokenizer_svc.encoder import ChatInput, Encoder, EncoderLimits, TextInput
-from tokenizer_svc.loader import LoadedTokenizer
+from services.tokenization.chat_template import ChatTemplate, resolve_template
+from services.tokenization.encoder import ChatInput, Encoder, EncoderLimits, TextInput
+from services.tokenization.loader import LoadedTokenizer
 
 from .local_detok import PROBE
 

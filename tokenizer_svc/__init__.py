@@ -1,18 +1,18 @@
 """tokenizer_svc: batched tokenization (chat templates included) and exact, multiplexed streaming
 detokenization with stop strings, served over gRPC (tokenrelay.v1.Tokenizer).
 
-Modules: `loader` (tokenizer + metadata), `chat_template` (sandboxed rendering), `batcher`
-(batches of concurrent calls on a bounded pool), `encoder` (Tokenize), `detokenizer` (one exact
-incremental decoder), `stop_strings` (hold-back and matching), `detok_stream` (a multiplexed
-stream), `servicer` / `app` / `config` / `__main__` (the service).
+The domain (loader, chat templates, encoder, incremental decoder, stop strings, multiplexed
+streams, metrics) is in `services.tokenization`, which the router's opt-in local (de)tokenization
+runs too; this package is the service around it: `servicer` / `app` / `config` / `__main__`.
+The names below are re-exported from there.
 """
 
-from tokenizer_svc.chat_template import BUILTIN_TEMPLATES, ChatTemplate, resolve_template
-from tokenizer_svc.detok_stream import Detokenizer, DetokStream, OpenRequest, Output, StreamBatch, TokenBatch
-from tokenizer_svc.detokenizer import IncrementalDecoder
-from tokenizer_svc.encoder import ChatInput, Encoder, EncoderLimits, TextInput
-from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
-from tokenizer_svc.stop_strings import StopMatcher
+from services.tokenization.chat_template import BUILTIN_TEMPLATES, ChatTemplate, resolve_template
+from services.tokenization.detok_stream import Detokenizer, DetokStream, OpenRequest, Output, StreamBatch, TokenBatch
+from services.tokenization.detokenizer import IncrementalDecoder
+from services.tokenization.encoder import ChatInput, Encoder, EncoderLimits, TextInput
+from services.tokenization.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
+from services.tokenization.stop_strings import StopMatcher
 
 __all__ = [
     "BUILTIN_TEMPLATES", "ChatInput", "ChatTemplate", "DetokStream", "Detokenizer", "Encoder",

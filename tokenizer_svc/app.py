@@ -16,12 +16,12 @@ from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_
 from services.logging import get_logger
 from services.metrics import start_metrics_server
 from services.proto.tokenrelay.v1 import tokenizer_pb2_grpc
+from services.tokenization.chat_template import ChatTemplate, resolve_template
+from services.tokenization.detok_stream import Detokenizer
+from services.tokenization.encoder import Encoder, EncoderLimits
+from services.tokenization.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer, template_stop_ids
 from services.tracing import ServerTracingInterceptor, configure_tracing
-from tokenizer_svc.chat_template import ChatTemplate, resolve_template
 from tokenizer_svc.config import TokenizerSettings
-from tokenizer_svc.detok_stream import Detokenizer
-from tokenizer_svc.encoder import Encoder, EncoderLimits
-from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer, template_stop_ids
 from tokenizer_svc.servicer import SERVICE_NAME, TokenizerServicer
 
 log = get_logger(__name__)

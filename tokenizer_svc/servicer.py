@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.proto.tokenrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenization.detok_stream import Converted, Detokenizer, OpenRequest, Output, StreamBatch, TokenBatch
+from services.tokenization.encoder import ChatInput, EncodeInput, Encoder, TextInput
 from services.wire import pack_ids
-from tokenizer_svc.detok_stream import Converted, Detokenizer, OpenRequest, Output, StreamBatch, TokenBatch
-from tokenizer_svc.encoder import ChatInput, EncodeInput, Encoder, TextInput
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tokenizer_svc.chat_template import GEMMA
+from services.tokenization.chat_template import GEMMA
 from tokenrelay_tools import env
 
 DEFAULT_MODEL_NAME = "gemma-3-270m"

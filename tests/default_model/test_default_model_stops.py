@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 
+from services.tokenization.chat_template import CHATML, GEMMA
+from services.tokenization.loader import TokenizerFiles, load_tokenizer, template_stop_ids
 from tests import artefacts
 from tests.tiny_model import build_tokenizer
-from tokenizer_svc.chat_template import CHATML, GEMMA
-from tokenizer_svc.loader import TokenizerFiles, load_tokenizer, template_stop_ids
 
 # Mistral v1's turn format, its end-of-turn written as text (as many community templates do).
 MISTRAL_STYLE = ("<s>{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"

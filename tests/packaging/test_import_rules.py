@@ -1,10 +1,9 @@
 """The import rules of the layout, read from the source (AST; nothing is imported but in the last test).
 
 1. A service package (router_svc, tokenizer_svc, engine_svc) imports no other service package and no
-   tooling (tokenrelay_tools), anywhere (module level or inside functions). One exception: the two
-   router modules of local (de)tokenization (EMBEDDING) import the tokenizer's domain modules
-   (TOKENIZER_DOMAIN), never its wiring.
-2. engine_svc imports no tokenizer code: not tokenizer_svc, not the `tokenizers` library, no
+   tooling (tokenrelay_tools), anywhere (module level or inside functions). The tokenizer's domain,
+   which the router's local (de)tokenization runs too, is shared code: `services.tokenization`.
+2. engine_svc imports no tokenizer code: not tokenizer_svc or services.tokenization, not the `tokenizers` library, no
    `transformers` tokenizer class or tokenization module (loading a model's config or generation
    config for its EOS ids is fine).
 3. services/ (the shared library) imports no service package and no tooling.
@@ -39,12 +38,6 @@ OPTIONAL = ("torch", "numpy", "matplotlib", "transformers", "safetensors", "acce
 # the hf backend's own start-up: each needs its extra at module level by design.
 LAZY_ONLY = {"engine_svc.backends.hf_sampling", "engine_svc.backends.hf_scheduler", "engine_svc.backends.triton",
              "engine_svc.backends.triton_tensors"}
-# Rule 1's one exception: the router modules that embed the tokenizer service's domain (opt-in
-# `--detokenize local` / `--tokenize-local-bytes`), and the domain modules they may import (never the
-# tokenizer's wiring, settings or gRPC edge).
-EMBEDDING = {"router_svc.local_detok", "router_svc.local_tokenize"}
-TOKENIZER_DOMAIN = {"tokenizer_svc.detok_stream", "tokenizer_svc.loader", "tokenizer_svc.encoder",
-                    "tokenizer_svc.chat_template"}
 # Service modules tooling must not import: the process's wiring and its gRPC edge.
 NOT_PUBLIC = {"__main__", "app", "servicer"}
 
@@ -140,26 +133,15 @@ def test_the_scan_sees_the_tree() -> None:
     assert any(i.target == "torch" and i.module_level for i in imports if i.importer in LAZY_ONLY)
 
 
-def _embedded(imp: Import) -> bool:
-    """The one exception to rule 1: a router's local (de)tokenization embeds the tokenizer service's
-    domain modules (docs/architecture.md, "Layout and import rules")."""
-    return imp.importer in EMBEDDING and imp.target in TOKENIZER_DOMAIN
-
-
 def test_services_do_not_import_each_other_or_tooling() -> None:
     bad = [i.where() for i in _all_imports() if _top(i.importer) in SERVICES
-           and _top(i.target) in (*SERVICES, TOOLS) and _top(i.target) != _top(i.importer) and not _embedded(i)]
+           and _top(i.target) in (*SERVICES, TOOLS) and _top(i.target) != _top(i.importer)]
     assert bad == [], "a service imports another service or the tooling:\n" + "\n".join(bad)
-
-
-def test_the_embedded_tokenizer_is_the_only_exception_and_is_used() -> None:
-    used = {i.target for i in _all_imports() if _embedded(i)}
-    assert used == TOKENIZER_DOMAIN     # the allowance is exactly what the two modules use, no wider
 
 
 def test_engine_imports_no_tokenizer_code() -> None:
     def tokenizer_code(i: Import) -> bool:
-        if _top(i.target) in ("tokenizer_svc", "tokenizers"):
+        if _top(i.target) in ("tokenizer_svc", "tokenizers") or _touches(i, "services.tokenization"):
             return True
         if _top(i.target) == "transformers":
             dotted = [i.target, *(f"{i.target}.{n}" for n in i.names)]

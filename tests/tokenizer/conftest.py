@@ -14,8 +14,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from tok_artefacts import build_bytelevel, build_sentencepiece
 
+from services.tokenization.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 from tests import artefacts
-from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 
 TINY = ("tiny-bytelevel", "tiny-sentencepiece")
 # Roles or names in tests/artefacts.py: GPT-2 or tekken (byte-level BPE), Llama 2 or Gemma 3 (SentencePiece-style

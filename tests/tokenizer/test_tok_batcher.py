@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from services.errors import InvalidArgument, Unavailable
+from services.tokenization.batcher import Batcher
 from tests.waiting import poll
-from tokenizer_svc.batcher import Batcher
 
 
 class Gate:

@@ -7,10 +7,10 @@ import pytest
 from tok_artefacts import CHATML_TEMPLATE, LLAMA2_TEMPLATE
 from tokenizers import Tokenizer
 
-from tokenizer_svc.chat_cache import ChatPrefixCache, Plan
-from tokenizer_svc.chat_template import BUILTIN_TEMPLATES, ChatTemplate
-from tokenizer_svc.encoder import ChatInput, Encoder, EncoderLimits
-from tokenizer_svc.loader import LoadedTokenizer
+from services.tokenization.chat_cache import ChatPrefixCache, Plan
+from services.tokenization.chat_template import BUILTIN_TEMPLATES, ChatTemplate
+from services.tokenization.encoder import ChatInput, Encoder, EncoderLimits
+from services.tokenization.loader import LoadedTokenizer
 
 # Templates that rewrite earlier text as the conversation grows: the prefix must shrink, not lie.
 COUNTING_TEMPLATE = ("{{ bos_token }}<|im_start|>system\nThis conversation has {{ messages|length }} messages"

@@ -11,9 +11,9 @@ import pytest
 from tok_artefacts import CHATML_TEMPLATE, LLAMA2_TEMPLATE, build_bytelevel
 
 from services.errors import InvalidArgument
+from services.tokenization.chat_template import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateNotFound, resolve_template
+from services.tokenization.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 from tests import artefacts
-from tokenizer_svc.chat_template import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateNotFound, resolve_template
-from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,10 +20,10 @@ import pytest
 from services.errors import REASON_KEY, Reason
 from services.proto.tokenrelay.v1 import tokenizer_pb2 as pb
 from services.proto.tokenrelay.v1 import tokenizer_pb2_grpc
+from services.tokenization.detok_stream import Detokenizer, OpenRequest, StreamBatch, TokenBatch
+from services.tokenization.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 from tokenizer_svc.app import TokenizerApp
 from tokenizer_svc.config import TokenizerSettings
-from tokenizer_svc.detok_stream import Detokenizer, OpenRequest, StreamBatch, TokenBatch
-from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
 
 

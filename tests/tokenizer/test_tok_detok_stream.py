@@ -6,7 +6,7 @@ import random
 
 from tok_artefacts import SAMPLES
 
-from tokenizer_svc.detok_stream import (
+from services.tokenization.detok_stream import (
     MAX_STOP_CHARS,
     MAX_STOPS,
     DetokStream,
@@ -14,7 +14,7 @@ from tokenizer_svc.detok_stream import (
     StreamBatch,
     TokenBatch,
 )
-from tokenizer_svc.loader import LoadedTokenizer
+from services.tokenization.loader import LoadedTokenizer
 
 
 def encode(tok: LoadedTokenizer, text: str) -> list[int]:

@@ -12,9 +12,9 @@ import random
 import pytest
 from tok_artefacts import SAMPLES, TEXT
 
-from tokenizer_svc.detok_stream import DetokStream, OpenRequest, StreamBatch, TokenBatch
-from tokenizer_svc.detokenizer import MAX_CONTEXT_TOKENS, MAX_UNREAD, IncrementalDecoder
-from tokenizer_svc.loader import LoadedTokenizer
+from services.tokenization.detok_stream import DetokStream, OpenRequest, StreamBatch, TokenBatch
+from services.tokenization.detokenizer import MAX_CONTEXT_TOKENS, MAX_UNREAD, IncrementalDecoder
+from services.tokenization.loader import LoadedTokenizer
 
 FFFD = "\ufffd"
 

@@ -9,10 +9,10 @@ import pytest
 from tok_artefacts import SAMPLES
 
 from services.errors import InvalidArgument, Unavailable
+from services.tokenization.chat_template import ChatTemplate
+from services.tokenization.encoder import ChatInput, Encoder, EncoderLimits, TextInput
+from services.tokenization.loader import LoadedTokenizer
 from tests.waiting import poll
-from tokenizer_svc.chat_template import ChatTemplate
-from tokenizer_svc.encoder import ChatInput, Encoder, EncoderLimits, TextInput
-from tokenizer_svc.loader import LoadedTokenizer
 
 
 async def test_mixed_inputs_and_finish_runs_off_the_loop(tiny_sp: LoadedTokenizer) -> None:

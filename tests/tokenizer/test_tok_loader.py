@@ -9,8 +9,8 @@ import pytest
 from tok_artefacts import build_bytelevel
 from tokenizers import Tokenizer
 
+from services.tokenization.loader import TokenizerFiles, load_tokenizer
 from tests import artefacts
-from tokenizer_svc.loader import TokenizerFiles, load_tokenizer
 
 
 def test_sentencepiece_dir_metadata(tiny_dirs: dict[str, pathlib.Path]) -> None:

@@ -17,13 +17,13 @@ import pytest
 from tok_artefacts import LLAMA2_TEMPLATE
 
 from services.proto.tokenrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenization.chat_template import CHATML, GEMMA, ChatTemplate
+from services.tokenization.encoder import ChatInput, Encoder, EncoderLimits, TextInput
+from services.tokenization.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
+from services.tokenization.special_text import SpecialText
 from tests import artefacts
 from tokenizer_svc.app import TokenizerApp
-from tokenizer_svc.chat_template import CHATML, GEMMA, ChatTemplate
 from tokenizer_svc.config import TokenizerSettings
-from tokenizer_svc.encoder import ChatInput, Encoder, EncoderLimits, TextInput
-from tokenizer_svc.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
-from tokenizer_svc.special_text import SpecialText
 from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
 
 # Mistral's v3-tekken format: [INST]/[/INST] are special tokens of tekken.

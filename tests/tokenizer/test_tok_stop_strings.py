@@ -7,9 +7,9 @@ import random
 import pytest
 from tok_artefacts import TEXT
 
-from tokenizer_svc.detok_stream import DetokStream, OpenRequest, Output, StreamBatch, TokenBatch
-from tokenizer_svc.loader import LoadedTokenizer
-from tokenizer_svc.stop_strings import StopMatcher
+from services.tokenization.detok_stream import DetokStream, OpenRequest, Output, StreamBatch, TokenBatch
+from services.tokenization.loader import LoadedTokenizer
+from services.tokenization.stop_strings import StopMatcher
 
 
 # ---------------------------------------------------------------- StopMatcher alone

@@ -17,7 +17,7 @@ import pathlib
 import shutil
 import tempfile
 
-from tokenizer_svc.chat_template import CHATML
+from services.tokenization.chat_template import CHATML
 
 NAME = "byte-level"
 EOS = "<|endoftext|>"

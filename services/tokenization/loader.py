@@ -173,7 +173,7 @@ def template_stop_ids(tok: Tokenizer, special_tokens: Mapping[str, str], source:
 
     The template is rendered, not pattern-matched, so any turn format works: the text after the
     assistant's content is matched against the tokenizer's special tokens, longest first."""
-    from tokenizer_svc.chat_template import ChatTemplate  # jinja2: only when there is a template
+    from services.tokenization.chat_template import ChatTemplate  # jinja2: only when there is a template
 
     try:
         rendered = ChatTemplate(source, "probe", special_tokens).render(

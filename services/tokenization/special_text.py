@@ -44,7 +44,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from services.errors import Reason
 from services.logging import get_logger
-from tokenizer_svc.chat_template import ChatTemplate
+from services.tokenization.chat_template import ChatTemplate
 
 log = get_logger(__name__)
 

@@ -38,11 +38,11 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from services.errors import Reason
 from services.logging import get_logger
+from services.tokenization import metrics
+from services.tokenization.detokenizer import MAX_CONTEXT_TOKENS, IncrementalDecoder
+from services.tokenization.loader import LoadedTokenizer
+from services.tokenization.stop_strings import StopMatcher
 from services.tracing import extract, tracer
-from tokenizer_svc import metrics
-from tokenizer_svc.detokenizer import MAX_CONTEXT_TOKENS, IncrementalDecoder
-from tokenizer_svc.loader import LoadedTokenizer
-from tokenizer_svc.stop_strings import StopMatcher
 
 log = get_logger(__name__)
 _T = TypeVar("_T")

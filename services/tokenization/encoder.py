@@ -28,13 +28,13 @@ from typing import Any, Literal
 from opentelemetry.trace import SpanKind
 
 from services.errors import InvalidArgument, Reason, TokenrelayError
+from services.tokenization import metrics
+from services.tokenization.batcher import Batcher
+from services.tokenization.chat_cache import ChatPrefixCache, Plan
+from services.tokenization.chat_template import ChatTemplate
+from services.tokenization.loader import LoadedTokenizer
+from services.tokenization.special_text import SpecialText
 from services.tracing import child_span, tracer
-from tokenizer_svc import metrics
-from tokenizer_svc.batcher import Batcher
-from tokenizer_svc.chat_cache import ChatPrefixCache, Plan
-from tokenizer_svc.chat_template import ChatTemplate
-from tokenizer_svc.loader import LoadedTokenizer
-from tokenizer_svc.special_text import SpecialText
 
 _tracer = tracer("tokenrelay.tokenizer")
 
