@@ -70,12 +70,13 @@ async def _local_tokenizer(upstreams: UpstreamSettings, tokenizer: TokenizerUpst
     except (OSError, ValueError) as exc:
         raise SystemExit(f"router_svc: --tokenizer-files {files}: {exc}") from None
     assert tokenizer.meta is not None    # _wait_tokenizer read it
-    why = mismatch(loaded, tokenizer.meta, await tokenizer.tokenize(text=PROBE))
+    probe_ids = await tokenizer.tokenize(text=PROBE)
+    why = mismatch(loaded, tokenizer.meta, probe_ids)
     local_tok = None
     if not why and upstreams.tokenize_local_bytes:
         local_tok = LocalTokenize(tokenizer, loaded, template, upstreams.tokenize_local_bytes)
         await local_tok.start()
-        why = await local_tok.check()
+        why = await local_tok.check(probe_ids)
     if why:
         raise SystemExit(f"router_svc: --tokenizer-files {files} is not the tokenizer service's tokenizer "
                          f"({why}); local (de)tokenization would send other ids or text than it")

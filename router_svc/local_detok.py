@@ -20,9 +20,9 @@ from __future__ import annotations
 from services.errors import Reason
 from services.mux import Inbox, StreamBroken
 from services.tokenization.detok_stream import DetokStream, OpenRequest, Output, TokenBatch
-from services.tokenization.loader import LoadedTokenizer
+from services.tokenization.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 
-from .tokenizer_upstream import _detok_merge
+from .tokenizer_upstream import _detok_merge, _detok_out
 from .types import DetokOut, TokenizerMeta
 
 # Requests open at once in one router process; past it a request fails OVERLOADED (the router's
@@ -58,7 +58,7 @@ class LocalDetokSession:
         pending = inbox.last()
         if isinstance(pending, DetokOut) and _detok_merge(pending, out):   # type: ignore[arg-type]
             return      # folded into the output not taken yet (its consumer is already woken)
-        if inbox.append(DetokOut(out.text, out.finished, out.matched_stop, out.tokens_consumed, out.error)):
+        if inbox.append(_detok_out(out)):   # type: ignore[arg-type]   # the same fields as the wire's
             inbox.wake()
 
     async def next_ready(self) -> list[DetokOut | StreamBroken]:
@@ -115,11 +115,4 @@ def mismatch(local: LoadedTokenizer, remote: TokenizerMeta, remote_probe_ids: li
 
 def load_files(path: str) -> LoadedTokenizer:
     """The tokenizer at `path` (a model directory or tokenizer.json); OSError / ValueError if bad."""
-    from services.tokenization.loader import TokenizerFiles, load_tokenizer
-
     return load_tokenizer(TokenizerFiles.discover(path))
-
-
-def load_local(path: str) -> LocalDetokenize:
-    """The tokenizer at `path`, ready to detokenize."""
-    return LocalDetokenize(load_files(path))

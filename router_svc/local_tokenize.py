@@ -44,7 +44,7 @@ def template_of(tokenizer: LoadedTokenizer, override: str) -> ChatTemplate | Non
 
 class LocalTokenize:
     """The router's tokenizer port: prompts of at most `max_bytes` here, the rest at `remote`
-    (a `TokenizerUpstream`, whose metadata, Info and Detokenize sessions this passes through)."""
+    (a `TokenizerUpstream`, whose metadata and Detokenize sessions this passes through)."""
 
     def __init__(self, remote: Any, tokenizer: LoadedTokenizer, template: ChatTemplate | None,
                  max_bytes: int) -> None:
@@ -58,9 +58,6 @@ class LocalTokenize:
     @property
     def meta(self) -> Any:
         return self.remote.meta
-
-    async def info(self) -> Any:
-        return await self.remote.info()
 
     def detokenizer(self, request_id: str) -> Any:
         return self.remote.detokenizer(request_id)
@@ -97,10 +94,10 @@ class LocalTokenize:
             raise Reason.TOKENIZE_TIMEOUT.error("tokenization did not finish in time") from None
         return list(ids)
 
-    async def check(self) -> str:
-        """Why this process's tokenizer is not the tokenizer service's ("" when the probes agree)."""
+    async def check(self, text_ids: list[int]) -> str:
+        """Why this process's tokenizer is not the tokenizer service's ("" when the probes agree);
+        `text_ids`: the service's ids of PROBE (the start check has them already)."""
         remote, local = self.remote, self.encoder
-        text_ids = await remote.tokenize(text=PROBE)
         (here,) = await local.tokenize([TextInput(PROBE)])
         if list(here) != list(text_ids):
             return "a probe text encodes to other ids here than at the tokenizer service"

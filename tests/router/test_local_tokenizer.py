@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from router_svc.local_detok import PROBE, LocalDetokenize, load_local, mismatch
+from router_svc.local_detok import PROBE, LocalDetokenize, load_files, mismatch
 from router_svc.local_tokenize import LocalTokenize, template_of
 from router_svc.types import DetokOut, TokenizerMeta
 from services.errors import Reason
@@ -19,7 +19,7 @@ from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory) -> LocalDetokenize:
-    return load_local(str(ensure_byte_tokenizer(tmp_path_factory.mktemp("bt"))))
+    return LocalDetokenize(load_files(str(ensure_byte_tokenizer(tmp_path_factory.mktemp("bt")))))
 
 
 def _ids(local: LocalDetokenize, text: str) -> list[int]:
