@@ -207,10 +207,13 @@ class DetokStream:
     def discard(self, request_id: str) -> None:
         """Drop a request that will get no more ids (its span ends as closed)."""
         with self._lock:
-            closed = self._requests.pop(request_id, None)
-            self._finished.pop(request_id, None)
+            self._close(request_id)
+
+    def _close(self, request_id: str) -> None:
+        closed = self._requests.pop(request_id, None)
         if closed is not None:
             closed.end("closed")
+        self._finished.pop(request_id, None)
 
     def apply(self, batch: StreamBatch) -> list[Output]:
         """Apply the whole batch (opens, then tokens, then closes) and return its outputs."""
@@ -243,10 +246,7 @@ class DetokStream:
         if left >= 0:
             count = min(count, left)
         for request_id in batch.closes[applied.index:applied.index + count]:
-            closed = self._requests.pop(request_id, None)
-            if closed is not None:
-                closed.end("closed")
-            self._finished.pop(request_id, None)
+            self._close(request_id)
         return self._advance_phase(applied, len(batch.closes), count, left, count)
 
     @staticmethod
