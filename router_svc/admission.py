@@ -40,6 +40,7 @@ from redis.exceptions import OutOfMemoryError, RedisError
 
 from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
+from services.tasks import retrieve
 
 from . import metrics, queue_lua
 from .admission_book import Book, Lease, LocalLease, LocalLimits, Waiter
@@ -67,12 +68,6 @@ _REFUSAL_TEXT = {
                                    "{t!r}'s whole budget of {tpm} tokens per minute; lower max_tokens",
     Reason.QUEUE_WAIT_EXCEEDS_DEADLINE: "the estimated queue wait exceeds the request's deadline",
 }
-
-
-def _retrieve(op: asyncio.Future[Any]) -> None:
-    """Mark an abandoned operation's outcome as seen (its failure was already reported)."""
-    if not op.cancelled():
-        op.exception()
 
 
 def _s(value: Any) -> str:
@@ -170,7 +165,7 @@ class Admission:
 
     def _track(self, op: asyncio.Future[Any]) -> None:
         """An operation that runs on by itself (close() waits for it); its failure counts as seen."""
-        op.add_done_callback(_retrieve)
+        op.add_done_callback(retrieve)   # its failure was already reported
         self._background.add(op)
         op.add_done_callback(self._background.discard)
 

@@ -30,6 +30,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.errors import Reason, TokenrelayError, in_band_error
 from services.logging import get_logger
+from services.tasks import retrieve
 from services.tracing import child_span, inject, tracer
 
 from .engine_stage import EngineStage
@@ -215,7 +216,8 @@ class Router:
         estimate, early = self._early(tenant, state, rctx)
         tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
         if inp.session_id:   # the session's replica, fetched meanwhile (placement reads it), after those
-            state.sticky = _quiet(asyncio.ensure_future(self.ports.affinity.get(tenant.name, inp.session_id)))
+            state.sticky = asyncio.ensure_future(self.ports.affinity.get(tenant.name, inp.session_id))
+            state.sticky.add_done_callback(retrieve)   # the request may end before placement reads it
         try:
             claimed = await registry.claim(tenant.name, state.request_id)
         except BaseException:
@@ -533,12 +535,6 @@ async def _discard(task: asyncio.Future[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
-
-
-def _quiet(fut: asyncio.Future[str]) -> asyncio.Future[str]:
-    """A prefetch nobody may read (the request ended first): its outcome is retrieved, never logged."""
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut
 
 
 def _final_refusal(early: asyncio.Future[Admitting]) -> bool:

@@ -1,7 +1,8 @@
 """One owned background task: started by its owner, cancelled and awaited by its owner's close().
 
 Every long-lived task in a service has an owner with start/close (house style); this is the one
-implementation of that pair, so no owner hand-writes the cancel-and-await dance again.
+implementation of that pair, so no owner hand-writes the cancel-and-await dance again. Also
+`retrieve`: the done-callback of a future nobody may await.
 """
 
 from __future__ import annotations
@@ -32,3 +33,10 @@ class OwnedTask:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def retrieve(fut: asyncio.Future[Any]) -> None:
+    """A done-callback for a future whose outcome nobody may read (an abandoned operation, a prefetch
+    its request did not live to use): its exception counts as seen, so asyncio never logs it."""
+    if not fut.cancelled():
+        fut.exception()
