@@ -364,6 +364,12 @@ class Bench:
                 r.replica, r.engine_ttft = replica_of.get(r.rid, (r.replica, r.engine_ttft))
         row = summarize(trace.name, config, reqs, samples, counters, wall, self.a.slo_ttft, TPB, len(engines),
                         trace.concurrency)
+        if self.a.dump_requests:
+            lines = [json.dumps({"trace": trace.name, "config": config, "cid": r.cid, "turn": r.turn,
+                                 "replica": r.replica, "sent": r.sent - t0, "e2e": r.e2e, "prompt": len(r.prompt),
+                                 "reply": len(r.reply), "cached": r.cached, "error": r.error}) for r in reqs]
+            with pathlib.Path(self.a.dump_requests).open("a") as out:  # noqa: ASYNC230 - after the run
+                out.write("".join(f"{line}\n" for line in lines))
         if route_times:
             row["route_p50_ms"] = percentile(route_times, 0.5) * 1000
             row["route_p99_ms"] = percentile(route_times, 0.99) * 1000
@@ -534,6 +540,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=1000.0)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--json", default="")
+    p.add_argument("--dump-requests", default="", metavar="JSONL",
+                   help="append every request (config, conversation, turn, replica, send time, cached) here")
     p.add_argument("--report", default="", metavar="JSON", help="print the table and checks of a saved --json run")
     a = p.parse_args(argv)
     a.conversations = a.conversations or (16 if a.quick else 32)
