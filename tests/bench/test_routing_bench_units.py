@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 
+import routing_dump_report
 import routing_oracle
 import routing_trace
 
@@ -69,3 +70,20 @@ def test_shared_hot_shares_its_prefixes_and_evict_fits_its_replicas() -> None:
     # The last turn plus its reply fits a replica of 96 blocks of 32 tokens; two conversations do not.
     bounds = sorted(routing_trace.length_bound(c, lead=3) for c in evict.conversations)
     assert bounds[-1] <= 96 * 32 and bounds[-1] + bounds[-2] > 96 * 32
+
+
+def test_dump_report_counts_conversations_in_progress_beside_each_placement() -> None:
+    def row(cid: int, turn: int, replica: int, sent: float, cached: int = 0) -> dict[str, object]:
+        return {"config": "p", "cid": cid, "turn": turn, "replica": replica, "sent": sent, "prompt": 100,
+                "cached": cached, "error": ""}
+
+    # A conversation is in progress from its first turn's placement to its last turn's.
+    rows = [row(1, 0, 0, 0.0), row(2, 0, 0, 0.1), row(3, 0, 0, 0.2),     # the third beside two
+            row(1, 1, 0, 0.3, 80),                                      # beside 2 and 3; 1 ends
+            row(2, 1, 1, 0.4),                                          # 2 moves to replica 1, ends
+            row(3, 1, 0, 0.5)]                                          # alone now
+    (line,) = routing_dump_report.report(rows)
+    assert "placed beside N in progress [(0, 1), (1, 1), (2, 1)]" in line
+    assert "all requests [(0, 3), (1, 1), (2, 2)]" in line
+    assert "follow-ups moved 1" in line
+    assert "mean follow-up hit 0.267" in line
