@@ -117,6 +117,7 @@ class Mesh:
         ports = [self.procs.service(f"router{i}", "router_svc", [
             "--tokenizers", tok_addr, "--engines", ",".join(eng_addrs), "--redis-url", self.redis_url,
             "--tenants-file", str(work / "tenants.yaml"), "--pool", POOL, "--router-id", f"router{i}",
+            "--tokenizer-files", str(tokenizer),   # for --router-arg=--detokenize=local / --tokenize-local-bytes
             "--engine-poll-interval", "0.2", "--queue-poll", "0.5", *args.router_arg],
             cpu_share(self.cpus.routers, i, args.routers)) for i in range(args.routers)]
         self.routers = [self.procs.wait_port(f"router{i}", p) for i, p in enumerate(ports)]
