@@ -17,7 +17,6 @@ This module imports no gRPC and no adapter: `app.py` wires the ports (`ports.py`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,11 +27,12 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 
-from services.errors import Reason, TokenrelayError, in_band_error
+from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
 from services.tasks import retrieve
 from services.tracing import child_span, inject, tracer
 
+from .admission_steps import BUDGET_REFUSALS, abandon_early, discard, end_admission, final_refusal
 from .engine_stage import EngineStage
 from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
 from .placement import LeastLoaded, LocalSessionAffinity
@@ -40,11 +40,8 @@ from .ports import (
     Admission,
     AdmitRequest,
     Admitting,
-    Broken,
     Detokenize,
-    DetokSessionPort,
     EngineStream,
-    Grant,
     LoadGate,
     Placement,
     PoolSelector,
@@ -53,9 +50,10 @@ from .ports import (
     Shadow,
     Tokenize,
 )
+from .replies import Ending, Merged, deltas, done_event, stage_ended
 from .request import LocalRequestRegistry, PromptEstimate, RequestState
 from .tenants import Tenant, tenant_limits
-from .types import Accepted, Delta, DetokOut, Done, Event, GenerateInput, Migrated
+from .types import Accepted, Delta, Done, Event, GenerateInput, Migrated
 from .validation import DEFAULT_BOUNDS, MAX_REQUEST_ID, Bounds, check_lengths, validate_input
 
 log = get_logger(__name__)
@@ -63,10 +61,6 @@ _tracer = tracer("tokenrelay.router")
 
 # Prompt ids handed to the detokenizer for leading-space context.
 _DETOK_CONTEXT = 8
-# Refusals that depend on the request's token count: asked again with the real count when the
-# estimate an early admission went with was higher.
-_BUDGET_REFUSALS = frozenset({Reason.TOKEN_RATE_LIMITED, Reason.TOKEN_BUDGET_TOO_SMALL,
-                              Reason.QUEUE_WAIT_EXCEEDS_DEADLINE})
 
 
 class _OpenGate:
@@ -103,25 +97,6 @@ class Ports:
     gate: LoadGate = field(default_factory=_OpenGate)
     pools: PoolSelector | None = None
     shadow: Shadow | None = None
-
-
-def _coarse_ready(inp: GenerateInput, tokens: int, since_last: float) -> bool:
-    """May a (non-first, non-final) delta be written now? Without options: always. With
-    `min_delta_tokens` and/or `min_delta_interval_ms`: when either bound that is set is met."""
-    min_tokens, min_gap_ms = inp.min_delta_tokens, inp.min_delta_interval_ms
-    if not min_tokens and not min_gap_ms:
-        return True
-    return bool((min_tokens and tokens >= min_tokens) or (min_gap_ms and since_last * 1000 >= min_gap_ms))
-
-
-@dataclass
-class _Merged:
-    """The outputs of one `next_ready()`, merged into at most one client delta."""
-
-    text: str = ""
-    finished: bool = False
-    matched_stop: str = ""
-    tokens_consumed: int = 0
 
 
 class Router:
@@ -221,10 +196,10 @@ class Router:
         try:
             claimed = await registry.claim(tenant.name, state.request_id)
         except BaseException:
-            await _abandon(tokenizing, early, state)
+            await abandon_early(tokenizing, early, state)
             raise
         if not claimed:
-            await _abandon(tokenizing, early, state)
+            await abandon_early(tokenizing, early, state)
             raise Reason.DUPLICATE_REQUEST_ID.error(f"request id {state.request_id!r} is already in flight")
         self._live[state.key] = state
         done: Done | None = None
@@ -253,7 +228,7 @@ class Router:
                     else:
                         yield event
             finally:
-                await _end_admission(admitting, state)
+                await end_admission(admitting, state)
             ended = True
         finally:
             self._live.pop(state.key, None)
@@ -288,14 +263,14 @@ class Router:
         try:
             if early is not None and not tokenizing.done():
                 await asyncio.wait((tokenizing, early), return_when=asyncio.FIRST_COMPLETED)
-                if early.done() and not tokenizing.done() and _final_refusal(early):
-                    await _discard(tokenizing)
+                if early.done() and not tokenizing.done() and final_refusal(early):
+                    await discard(tokenizing)
                     early.result()          # raises the refusal
             await tokenizing
             check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
         except BaseException:
             # Also when cut off in `asyncio.wait`, which leaves the Tokenize task running.
-            await _abandon(tokenizing, early, state)
+            await abandon_early(tokenizing, early, state)
             raise
         if early is None or estimate is None:
             return await self._enqueue(tenant, state, rctx)
@@ -303,7 +278,7 @@ class Router:
             return await early
         except TokenrelayError as exc:
             # Refused on the estimate's token count, which was above the real one: ask with the real one.
-            if exc.reason in _BUDGET_REFUSALS and len(state.prompt_ids) < estimate:
+            if exc.reason in BUDGET_REFUSALS and len(state.prompt_ids) < estimate:
                 return await self._enqueue(tenant, state, rctx)
             raise
 
@@ -369,210 +344,34 @@ class Router:
         if state.is_cancelled:   # cancelled while tokenizing or waiting for admission
             if accepted is not None:
                 yield accepted
-            yield self._done(state, metrics, None)
+            yield done_event(state, metrics, None)
             return
         meta = self.ports.tokenizer.meta
         eos = list(meta.eos_token_ids) if meta else []
         detok = self.ports.detokenize.detokenizer(state.upstream_id)
         detok.start(state.inp.sampling.stop, state.inp.sampling.include_stop_str,
                     state.prompt_ids[-_DETOK_CONTEXT:], inject(rctx))
-        ending = _Ending(state, detok, self.ports.engines)
+        ending = Ending(state, detok, self.ports.engines)
         self.ports.registry.on_cancel(state.tenant, state.request_id, ending.on_cancel)
         pump = asyncio.create_task(self.stage.run(state, detok, eos, rctx))
-        pump.add_done_callback(lambda _: _stage_ended(state, detok))
+        pump.add_done_callback(lambda _: stage_ended(state, detok))
         flushed = False
         try:
             if accepted is not None:
                 yield accepted
-            final: _Merged | None = None
-            async for item in self._deltas(state, detok, metrics):
+            final: Merged | None = None
+            async for item in deltas(state, detok, metrics):
                 if isinstance(item, (Delta, Migrated)):
                     yield item
                 else:
                     final = item
             flushed = not state.is_cancelled
-            yield self._done(state, metrics, final)
+            yield done_event(state, metrics, final)
         finally:
             ending.close()
-            await _discard(pump)
+            await discard(pump)
             if state.replica:
                 if not state.engine_done:
                     self.ports.engines.abort(state.replica, state.upstream_id)
                 self.ports.engines.release(state.replica, state.upstream_id)
             detok.close(flushed=flushed)
-
-    async def _deltas(self, state: RequestState, detok: DetokSessionPort,
-                      metrics: RequestMetrics) -> AsyncIterator[Delta | Migrated | _Merged]:
-        """Client deltas: every output ready merged into one; coarser when the client asked.
-        A move to another replica is announced (`Migrated`) before the next delta. The last item
-        is the final `_Merged` (how the detokenizer ended).
-
-        The per-token hot path: one wake-up, the merge, one `Delta`; nothing else is built."""
-        inp, generated = state.inp, state.generated
-        coarse = bool(inp.min_delta_tokens or inp.min_delta_interval_ms)
-        want_ids = inp.return_token_ids
-        pending = ""
-        emitted = counted = migrations = 0
-        last_write = 0.0
-        while True:
-            text, final = _merge(await detok.next_ready(), state)
-            if state.migrations > migrations:
-                migrations = state.migrations
-                yield Migrated(migrations, state.migration_tokens, state.migration_reason)
-            if text:
-                pending += text
-            n = len(generated)
-            limit = final.tokens_consumed if final is not None and final.matched_stop else n
-            if not (pending or (want_ids and limit > emitted)):
-                if final is not None:
-                    yield final
-                    return
-                continue
-            now = time.monotonic()
-            if (final is not None or state.t_first is None or not coarse
-                    or _coarse_ready(inp, n - counted, now - last_write)):
-                new_ids = generated[emitted:limit] if want_ids else []
-                emitted = max(emitted, limit)
-                if state.t_first is None:
-                    state.t_first = now
-                    metrics.first_token(now)
-                else:
-                    metrics.delta(now, n - counted)
-                counted, last_write = n, now
-                yield Delta(pending, new_ids)
-                pending = ""
-            if final is not None:
-                yield final
-                return
-
-    def _done(self, state: RequestState, metrics: RequestMetrics, merged: _Merged | None) -> Done:
-        usage, timings = state.usage, state.timings
-        usage.prompt_tokens = len(state.prompt_ids)
-        if merged is not None and merged.matched_stop:
-            usage.completion_tokens = merged.tokens_consumed
-            reason, stop_reason = "stop", merged.matched_stop
-        else:
-            usage.completion_tokens = len(state.generated)
-            reason, stop_reason = state.finish_reason, ""
-        if state.is_cancelled:
-            reason = "cancelled"
-        now = time.monotonic()
-        first = state.t_first if state.t_first is not None else now
-        timings.ttft_seconds = first - state.t_arrival
-        timings.total_seconds = now - state.t_arrival
-        timings.decode_seconds = now - first
-        metrics.done(reason, usage, timings)
-        log.info("request_done", finish=reason, prompt_tokens=usage.prompt_tokens,
-                 completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
-                 ttft_ms=round(timings.ttft_seconds * 1000, 2), total_ms=round(timings.total_seconds * 1000, 2))
-        return Done(reason, usage, timings, stop_reason)  # type: ignore[arg-type]
-
-
-def _merge(outs: list[DetokOut | Broken], state: RequestState) -> tuple[str, _Merged | None]:
-    """The text of the outputs ready, and how the detokenizer ended (None while it goes on)."""
-    if len(outs) == 1:     # the common case (one output per wake-up): no list, no join
-        out = outs[0]
-        if type(out) is DetokOut and not out.error and not out.finished:
-            return out.text, None
-    texts: list[str] = []
-    final: _Merged | None = None
-    for out in outs:
-        if not isinstance(out, DetokOut):    # broken: the engine stage, a deadline or a cancel failed it
-            if state.is_cancelled:
-                final = _Merged(finished=True)
-                break
-            raise out.error
-        if out.error:  # an overload stays UNAVAILABLE (with a retry-after), the rest as registered
-            raise in_band_error(out.error, "in-band error from the detokenizer", Reason.DETOKENIZER_ERROR)
-        if out.text:
-            texts.append(out.text)
-        if out.finished:
-            final = _Merged(finished=True, matched_stop=out.matched_stop, tokens_consumed=out.tokens_consumed)
-            break
-    text = "".join(texts)
-    if final is not None:
-        final.text = text
-    return text, final
-
-
-class _Ending:
-    """The two ways a request ends from outside its loop, each one callback: its deadline (a
-    timer) and a Cancel (the registry). Both abort the engine work and wake the delta loop by
-    failing the detokenizer session."""
-
-    def __init__(self, state: RequestState, detok: DetokSessionPort, engines: EngineStream) -> None:
-        self._state, self._detok, self._engines = state, detok, engines
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_at(loop.time() + state.remaining(), self._on_deadline)
-
-    def _abort(self) -> None:
-        if self._state.replica and not self._state.engine_done:
-            self._engines.abort(self._state.replica, self._state.upstream_id)
-            self._state.engine_done = True   # nothing left to abort
-
-    def _on_deadline(self) -> None:
-        self._abort()
-        self._detok.fail(Reason.DEADLINE_EXCEEDED.error("the request's deadline passed"))
-
-    def on_cancel(self) -> None:
-        self._state.cancel()
-        self._abort()
-        self._detok.fail(Reason.CANCELLED.error("cancelled"))
-
-    def close(self) -> None:
-        self._timer.cancel()
-
-
-def _stage_ended(state: RequestState, detok: DetokSessionPort) -> None:
-    """However the engine stage ended, the delta loop must not wait for it any longer (its own
-    failures reach the detokenizer first; this covers a stage cancelled from outside)."""
-    if not state.engine_done:
-        detok.fail(Reason.ENGINE_ERROR.error("the engine stage ended without a result"))
-
-
-async def _discard(task: asyncio.Future[None]) -> None:
-    """Cancel work whose result is no longer wanted and wait for it (its error is moot)."""
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-
-
-def _final_refusal(early: asyncio.Future[Admitting]) -> bool:
-    """Did the early admission come back refused for a reason the real token count cannot change?"""
-    if early.cancelled():
-        return False
-    exc = early.exception()
-    return isinstance(exc, TokenrelayError) and exc.reason not in _BUDGET_REFUSALS
-
-
-async def _abandon(tokenizing: asyncio.Future[None], early: asyncio.Future[Admitting] | None,
-                   state: RequestState) -> None:
-    """The request goes no further before its admission: stop tokenizing (a no-op once it ended),
-    give back an early admission."""
-    await _discard(tokenizing)
-    if early is not None:
-        await _give_back(early, state)
-
-
-async def _give_back(admitting: asyncio.Future[Admitting], state: RequestState) -> None:
-    """An admission not wanted after all: stopped if still on its way, settled (or taken out of
-    the queue) if it came back."""
-    admitting.cancel()          # a no-op once it came back
-    try:
-        got = await asyncio.shield(admitting)
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - refused or cut off: nothing is held
-        return
-    await _end_admission(got, state)
-
-
-async def _end_admission(admitting: Admitting, state: RequestState) -> None:
-    """Settle the lease with the request's usage, or — never granted — leave the queue (a grant
-    that raced the exit is settled at zero by `abandon`)."""
-    grant: Grant | None = admitting.grant
-    try:
-        if grant is not None:
-            await grant.settle(state.usage)
-        else:
-            await admitting.abandon()
-    except Exception as exc:  # noqa: BLE001 - logged; the lease's TTL frees it
-        log.warning("settle_failed", request_id=state.request_id, error=str(exc))
