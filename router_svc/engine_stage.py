@@ -111,6 +111,10 @@ class EngineStage:
             address = self._place(state, view, trace_ctx)
             try:
                 await self._attempt(state, address, detok, eos, trace_ctx)
+                # The engine is done with it: the replica's count falls now, not once the client's
+                # `done` is written (the request's end releases again: a no-op). A conversation's next
+                # turn, here or at another router (placement_share), follows within milliseconds.
+                self.engines.release(address, state.upstream_id)
                 if state.inp.session_id and address != view.sticky:
                     await self.affinity.set(state.tenant, state.inp.session_id, address)
                 return

@@ -15,8 +15,13 @@ Python's hash of int tuples from a blake2b salt root, the same in every process)
 endian int64 and base64-encoded (11 characters a block). A receiver enters them with
 `PrefixIndex.remote`, exactly as its own placements (same expiry, less the record's age), and
 ignores its own messages. `f` is the sender's whole in-flight vector (absolute counts, so a lost
-message costs nothing later): sent with every flush, and by a ticker every `tick` s when it changed
-(or every `refresh` s while non-zero); a vector older than `stale` s is ignored. `remote_in_flight()`
+message costs nothing later): sent with every flush, including one at the end of the loop iteration
+in which a request let go of its replica (`changed`, from `EnginePool.release`), and by a ticker
+every `tick` s when it changed otherwise (or every `refresh` s while non-zero); a vector older than
+`stale` s is ignored. Ends are sent at once because a conversation's next turn follows its last
+within milliseconds, often through another router: a count the ticker would send 0-50 ms later made
+that router see the conversation's own ended turn on its replica and move the turn elsewhere
+(`shared-hot`, two routers: 25-32% of follow-up turns moved; docs/routing.md). `remote_in_flight()`
 sums the other routers' vectors, which the prefix policy adds to this router's own in-flight count
 (and clamps the engines' reported counts to: `placement.cluster_view`); None while not subscribed.
 
@@ -127,6 +132,12 @@ class PlacementShare:
             self._buffered_bytes -= len(self._buffer.popleft()[2])
             PLACEMENT_SHARE.labels("dropped").inc()
         self._schedule()
+
+    def changed(self) -> None:
+        """This router's in-flight count on a replica fell (a request let go of it): the vector goes
+        out with this loop iteration's flush (one message for every end and placement in it)."""
+        if self._live:
+            self._schedule()
 
     def _schedule(self) -> None:
         if not self._scheduled:

@@ -252,6 +252,9 @@ class EnginePool:
         self._poller: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._gauge_labels: set[tuple[str, str]] = set()
+        # Told when a request lets go of a replica (its in-flight count fell): the placement share
+        # sends the new count this loop iteration, not at its next tick (router_svc/placement_share.py).
+        self.on_release: Callable[[], None] | None = None
         for address in addresses:
             self.add(DEFAULT_POOL, address)
 
@@ -457,6 +460,8 @@ class EnginePool:
         replica = self._find(address)
         if replica is not None:
             replica.release(request_id)
+            if self.on_release is not None:
+                self.on_release()
 
     async def close(self) -> None:
         if self._poller is not None:

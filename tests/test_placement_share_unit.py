@@ -106,6 +106,33 @@ async def test_a_placement_reaches_the_other_router(redis_url: str) -> None:
             await pipe.close()
 
 
+async def test_a_request_end_reaches_the_other_router_at_once_not_at_the_next_tick(redis_url: str) -> None:
+    """A conversation's next turn follows its last within milliseconds, often through the other router:
+    an end must not wait for the ticker (here 5 s) to reach it."""
+    ia, ib = _index(), _index()
+    a_flight = {"e1:1": 1}
+    redis = open_redis(redis_url, 0.5)
+    pa, pb = Pipeliner(redis, 0.5), Pipeliner(redis, 0.5)
+    pa.start()
+    pb.start()
+    a = PlacementShare(redis, pa, "ends", "ra", ia, lambda: a_flight, op_timeout=0.5, tick=5.0)
+    b = PlacementShare(redis, pb, "ends", "rb", ib, dict, op_timeout=0.5, tick=5.0)
+    await a.start()
+    await b.start()
+    try:
+        ia.placed("e1:1", PROMPT, "t")      # the placement's flush carries the count
+        await poll(lambda: b.remote_in_flight() == {"e1:1": 1}, timeout=2, what="a's in-flight vector")
+        a_flight.clear()
+        t0 = time.monotonic()
+        a.changed()                          # EnginePool.release calls it (router_svc/app.py)
+        await poll(lambda: b.remote_in_flight() == {}, timeout=2, what="a's request end")
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        for share, pipe in ((a, pa), (b, pb)):
+            await share.close()
+            await pipe.close()
+
+
 async def test_redis_down_each_router_keeps_its_own_view(tmp_path) -> None:
     index = _index()
     failed = _sent("publish_failed")
