@@ -198,11 +198,13 @@ class EngineReplica:
     def abort(self, request_id: str) -> None:
         self.mux.post("abort", request_id)
 
-    def release(self, request_id: str) -> None:
-        self.mux.release(request_id)
+    def release(self, request_id: str) -> bool:
+        """The request lets go of this replica; whether it still held it (a second release: False)."""
+        held = self.mux.release(request_id)
         if request_id == self.probe:
             self.probe = ""
             self.breaker.probe_done()    # ended without an outcome (a failure was reported before this)
+        return held
 
     def failed(self) -> None:
         """Its stream broke or stalled: a failure for the breaker, unless it said it is not ready."""
@@ -458,10 +460,8 @@ class EnginePool:
 
     def release(self, address: str, request_id: str) -> None:
         replica = self._find(address)
-        if replica is not None:
-            replica.release(request_id)
-            if self.on_release is not None:
-                self.on_release()
+        if replica is not None and replica.release(request_id) and self.on_release is not None:
+            self.on_release()
 
     async def close(self) -> None:
         if self._poller is not None:

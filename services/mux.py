@@ -264,8 +264,9 @@ class MuxClient(Generic[Item]):
         self._inboxes[request_id] = inbox
         return inbox
 
-    def release(self, request_id: str) -> None:
-        self._inboxes.pop(request_id, None)
+    def release(self, request_id: str) -> bool:
+        """Forget the request's inbox; whether it was still open."""
+        return self._inboxes.pop(request_id, None) is not None
 
     def post(self, field: str, item: Any) -> None:
         """Queue one item for the next outbound message (never blocks)."""
