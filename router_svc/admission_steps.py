@@ -7,10 +7,10 @@ these, so a lease or a queue entry is never left behind (the lease's TTL is the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
+from services.tasks import discard
 
 from .ports import Admitting, Grant
 from .request import RequestState
@@ -21,13 +21,6 @@ log = get_logger(__name__)
 # estimate an early admission went with was higher.
 BUDGET_REFUSALS = frozenset({Reason.TOKEN_RATE_LIMITED, Reason.TOKEN_BUDGET_TOO_SMALL,
                              Reason.QUEUE_WAIT_EXCEEDS_DEADLINE})
-
-
-async def discard(task: asyncio.Future[None]) -> None:
-    """Cancel work whose result is no longer wanted and wait for it (its error is moot)."""
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
 
 
 def final_refusal(early: asyncio.Future[Admitting]) -> bool:

@@ -29,10 +29,10 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
-from services.tasks import retrieve
+from services.tasks import discard, retrieve
 from services.tracing import child_span, inject, tracer
 
-from .admission_steps import BUDGET_REFUSALS, abandon_early, discard, end_admission, final_refusal
+from .admission_steps import BUDGET_REFUSALS, abandon_early, end_admission, final_refusal
 from .engine_stage import EngineStage
 from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
 from .placement import LeastLoaded, LocalSessionAffinity

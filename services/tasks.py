@@ -2,7 +2,8 @@
 
 Every long-lived task in a service has an owner with start/close (house style); this is the one
 implementation of that pair, so no owner hand-writes the cancel-and-await dance again. Also
-`retrieve`: the done-callback of a future nobody may await.
+`discard`, the same dance for a one-off task whose result is no longer wanted, and `retrieve`: the
+done-callback of a future nobody may await.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ class OwnedTask:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def discard(task: asyncio.Future[Any]) -> None:
+    """Cancel work whose result is no longer wanted and wait for it (its error is moot)."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 def retrieve(fut: asyncio.Future[Any]) -> None:
