@@ -149,8 +149,7 @@ async def serve(settings: RouterSettings) -> None:
                                    op_timeout=cluster.op_timeout)
             if isinstance(placement, PrefixAware):
                 placement.remote_in_flight = share.remote_in_flight
-            if hasattr(engines, "on_release"):
-                engines.on_release = share.changed
+            engines.on_release = share.changed
             await share.start()
         # Engine pools: the traffic split (shared through Redis, changed at runtime) and shadow traffic.
         pools = PoolControl(settings.pools, settings.admission, EnginesAdapter(engines), placement,
