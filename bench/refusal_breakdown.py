@@ -23,29 +23,17 @@ round trip from a slow Tokenize or a slow loop.
 from __future__ import annotations
 
 import argparse
-import collections
-import json
 import sys
-from typing import Any
+
+from ttft_breakdown import pct, traces_of  # this directory (run as a script or with it on sys.path)
 
 PHASES = ("total", "->enqueue", "enqueue", "enqueue->end", "tokenize")
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
-
-
 def refusals(path: str) -> list[dict[str, float]]:
-    traces: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                span = json.loads(line)
-                traces[span["trace_id"]].append(span)
     ms = 1e-6
     rows = []
-    for spans in traces.values():
+    for spans in traces_of(path).values():
         root = next((s for s in spans if s["service"] == "router_svc" and s["name"] == "tokenrelay.generate"
                      and s.get("status") == "ERROR"), None)
         enq = [s for s in spans if s["service"] == "router_svc" and s["name"] == "queue_wait"]
@@ -77,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'phase':<14}{'p50':>8}{'p90':>8}{'p99':>8}")
     for phase in PHASES:
         values = [r[phase] for r in rows if r[phase] == r[phase]]
-        print(f"{phase:<14}{_pct(values, .5):>8.2f}{_pct(values, .9):>8.2f}{_pct(values, .99):>8.2f}")
+        print(f"{phase:<14}{pct(values, .5):>8.2f}{pct(values, .9):>8.2f}{pct(values, .99):>8.2f}")
     slow = rows[-max(1, int(len(rows) * args.slowest)):]
     print(f"\nslowest {len(slow)}:")
     print("  " + "".join(f"{k:>14}" for k in (*PHASES, "enqueues")))

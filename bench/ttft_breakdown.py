@@ -43,7 +43,7 @@ PHASES = ("arrive->tokenize", "tokenize", "(tokenizer server)", "->admit", "admi
           "router TTFT", "mesh part (TTFT - prefill)")
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
 
@@ -52,13 +52,19 @@ def _event(span: dict[str, Any], name: str) -> int | None:
     return next((e["t"] for e in span.get("events", []) if e["name"] == name), None)
 
 
-def breakdown(path: str) -> dict[str, list[float]]:
+def traces_of(path: str) -> dict[str, list[dict[str, Any]]]:
+    """The spans of a TOKENRELAY_TRACE_FILE, grouped by trace (one request each)."""
     traces: dict[str, list[dict[str, Any]]] = defaultdict(list)
     with open(path) as f:
         for line in f:
             if line.strip():
                 span = json.loads(line)
                 traces[span["trace_id"]].append(span)
+    return traces
+
+
+def breakdown(path: str) -> dict[str, list[float]]:
+    traces = traces_of(path)
     out: dict[str, list[float]] = defaultdict(list)
     for spans in traces.values():
         by = {(s["service"], s["name"]): s for s in spans}
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         v = out.get(name)
         if not v:
             continue
-        rows[name] = {"p50": _pct(v, 0.5), "p90": _pct(v, 0.9), "p99": _pct(v, 0.99), "mean": statistics.fmean(v)}
+        rows[name] = {"p50": pct(v, 0.5), "p90": pct(v, 0.9), "p99": pct(v, 0.99), "mean": statistics.fmean(v)}
         r = rows[name]
         print(f"{name:<28} {r['p50']:7.3f} {r['p90']:7.3f} {r['p99']:7.3f} {r['mean']:7.3f}")
     if args.json:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
-from bench.refusal_breakdown import main, refusals
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+
+from refusal_breakdown import main, refusals
 
 MS = 1_000_000
 
