@@ -33,14 +33,9 @@ async def mesh(tmp_path_factory, redis_url):
         await p.upstreams(*SIM, engines=3)
         engines = [p.addr[f"e{i}"] for i in range(3)]
 
-        def router(name: str, order: list[str], *flags: str) -> None:
-            p.spawn(name, "router_svc", "--tokenizers", p.addr["tok"], "--engines", ",".join(order),
-                    "--redis-url", p.redis_url, "--pool", p.pool, "--tenants-file", str(p.tenants),
-                    "--router-id", name, "--engine-poll-interval", "0.2", *flags)
-
-        router("a", engines)
-        router("b", engines[::-1])
-        router("c", engines[::-1], "--no-share-placements")
+        p.router("a", engines=engines)
+        p.router("b", engines=engines[::-1])
+        p.router("c", "--no-share-placements", engines=engines[::-1])
         await p.ready("a", "b", "c")
         yield p
     finally:

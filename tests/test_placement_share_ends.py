@@ -33,10 +33,8 @@ async def mesh(tmp_path_factory, redis_url):
     try:
         await p.upstreams(*SIM, engines=3)
         engines = [p.addr[f"e{i}"] for i in range(3)]
-        for name, order in (("a", engines), ("b", engines[::-1])):
-            p.spawn(name, "router_svc", "--tokenizers", p.addr["tok"], "--engines", ",".join(order),
-                    "--redis-url", p.redis_url, "--pool", p.pool, "--tenants-file", str(p.tenants),
-                    "--router-id", name, "--engine-poll-interval", "0.2")
+        p.router("a", engines=engines)
+        p.router("b", engines=engines[::-1])
         await p.ready("a", "b")
         yield p
     finally:

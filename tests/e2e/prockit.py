@@ -70,9 +70,11 @@ class Procs:
                        *engine_args_for(self.model, "sim"), *SIM, *engine_flags)
         await self.ready("tok", *(f"e{i}" for i in range(engines)))
 
-    def router(self, name: str, *args: str, port: int = 0) -> None:
-        engines = ",".join(self.addr[n] for n in sorted(self.addr) if n.startswith("e"))
-        self.spawn(name, "router_svc", "--tokenizers", self.addr["tok"], "--engines", engines,
+    def router(self, name: str, *args: str, port: int = 0, engines: list[str] | None = None) -> None:
+        """A router over every engine started here (`engines`: these addresses, in this order)."""
+        listed = ",".join(engines if engines is not None else
+                          [self.addr[n] for n in sorted(self.addr) if n.startswith("e")])
+        self.spawn(name, "router_svc", "--tokenizers", self.addr["tok"], "--engines", listed,
                    "--redis-url", self.redis_url, "--pool", self.pool, "--tenants-file", str(self.tenants),
                    "--router-id", name, "--engine-poll-interval", "0.2", *args, port=port)
 
