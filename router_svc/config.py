@@ -149,6 +149,14 @@ class RoutingSettings(Section):
         0.5, ge=0, le=3600, description="prefix policy: seconds a cached block touched by a placement or a KV "
                                         "event counts as a conversation's in progress (see "
                                         "--prefix-evict-cost); older cached blocks are stale")
+    prefix_hold_seconds: float = Field(
+        0.5, ge=0, le=600, description="prefix policy: seconds a replica stays held for a conversation's next "
+                                       "turn after a turn ends there (a prompt that extends the last one "
+                                       "consumes the hold); 0 = no holds")
+    prefix_hold_cost: float = Field(
+        512.0, ge=0, le=1_000_000, description="prefix policy: prompt tokens of prefill a fresh hold of another "
+                                               "conversation on a replica is worth to a new request (down "
+                                               "linearly to 0 over --prefix-hold-seconds); 0 = off")
     prefix_pending_ttl: float = Field(
         5.0, ge=0, le=600, description="prefix policy: seconds a prompt routed to a replica counts as cached "
                                        "there before its KV events arrive")

@@ -115,6 +115,8 @@ class EngineStage:
                 # `done` is written (the request's end releases again: a no-op). A conversation's next
                 # turn, here or at another router (placement_share), follows within milliseconds.
                 self.engines.release(address, state.upstream_id)
+                if self.index is not None and not state.migrations:   # its next turn is due here
+                    self.index.hold(address, state.prompt_ids, view.cache_salt)
                 if state.inp.session_id and address != view.sticky:
                     await self.affinity.set(state.tenant, state.inp.session_id, address)
                 return

@@ -18,7 +18,9 @@ Policies (`--routing-policy`):
   and one more `load_cost` when its free KV blocks cannot hold the uncached prompt and the reply,
   and, on a replica whose cache the conversations there could outgrow, `evict_cost` tokens per token
   of other conversations in progress there (`live_pressure`: they grow where they are and compete
-  with this one for its blocks) —
+  with this one for its blocks), and `hold_cost` tokens per hold there (a conversation between
+  turns: its next turn is expected within milliseconds; `PrefixIndex.held`), weighted down
+  linearly to 0 over the hold's `hold_ttl` —
   never a cache hit at any price: a replica with more requests than the balance bound allows
   (`balance_rel` × the least loaded one's, or that plus `balance_abs`) is not a candidate.
   While router processes share their placements (`placement_share.PlacementShare`, live),
@@ -143,6 +145,7 @@ class PrefixWeights:
     balance_abs: int = 2
     kv_high: float = KV_HIGH_WATER
     evict_cost: float = 0.0      # ... per token of other conversations in progress (`live_pressure`; 0 = off)
+    hold_cost: float = 512.0     # ... per fresh hold of another conversation between turns (0 = off)
 
 
 def requests_on(s: ReplicaSnapshot) -> int:
@@ -242,10 +245,19 @@ class PrefixAware:
             need = -(-(prompt_len + request.max_tokens) // bs) - depths.get(s.address, 0)
             return live_pressure(s, resident, need, n_live, n_matched) * bs * w.evict_cost
 
+        holds = self.index.held(request.prompt_ids, request.cache_salt, [s.address for s in balanced]) \
+            if w.hold_cost > 0 else {}
+        ttl = self.index.hold_ttl
+
+        def held(s: ReplicaSnapshot) -> float:
+            """Fresh holds of other conversations there: a new one would take their turn's slot."""
+            ages = holds.get(s.address)
+            return w.hold_cost * sum(1.0 - age / ttl for age in ages) if ages else 0.0
+
         def cost(s: ReplicaSnapshot) -> tuple[float, int]:
             on = requests_on(s)
             waits = waiting_ahead(s) + kv_short(s)
-            return (prompt_len - cached(s) + w.load_cost * waits + w.run_cost * on + evict(s), on)
+            return (prompt_len - cached(s) + w.load_cost * waits + w.run_cost * on + evict(s) + held(s), on)
 
         return min(balanced, key=cost).address     # ties: the first in the pool's order, on every router
 

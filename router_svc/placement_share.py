@@ -7,14 +7,16 @@ are buffered by `PrefixIndex.on_record` and flushed by a `call_soon`, so a burst
 never a round trip on the request's path):
 
     {"r": router id, "t": sender's wall clock, "f": {replica: this router's requests in flight there},
-     "p": [[replica, kind, keys], ...]}
+     "p": [[replica, kind, keys], ...], "h": [[replica, key], ...]}
 
 `kind` is "p" (placed: pending until the events arrive, history on event-less replicas) or "f"
 (finished: history only); `keys` is the prompt's chained block keys (`prefix_index.block_keys`:
 Python's hash of int tuples from a blake2b salt root, the same in every process), packed as little-
 endian int64 and base64-encoded (11 characters a block). A receiver enters them with
 `PrefixIndex.remote`, exactly as its own placements (same expiry, less the record's age), and
-ignores its own messages. `f` is the sender's whole in-flight vector (absolute counts, so a lost
+ignores its own messages. `h` (when any) lists the holds this router made (`PrefixIndex.hold`: a
+request ended there, its conversation's next turn is expected), each one packed key, entered with
+`PrefixIndex.remote_hold`; a receiver that predates holds ignores the field. `f` is the sender's whole in-flight vector (absolute counts, so a lost
 message costs nothing later): sent with every flush, including one at the end of the loop iteration
 in which a request let go of its replica (`changed`, from `EnginePool.release`), and by a ticker
 every `tick` s when it changed otherwise (or every `refresh` s while non-zero); a vector older than
@@ -90,6 +92,7 @@ class PlacementShare:
         self.max_publishes = max_publishes
         self.tick, self.refresh, self.stale = tick, refresh, stale
         self._buffer: deque[list[Any]] = deque()
+        self._holds: deque[list[str]] = deque(maxlen=max_buffer)
         self._buffered_bytes = 0
         self._scheduled = False
         self._publishing = 0
@@ -106,6 +109,7 @@ class PlacementShare:
     async def start(self) -> None:
         if self.index is not None:
             self.index.on_record = self.record
+            self.index.on_hold = self.record_hold
         self._tasks = [asyncio.create_task(self._listen(), name="placement-share-listener"),
                        asyncio.create_task(self._ticker(), name="placement-share-ticker")]
         with contextlib.suppress(asyncio.TimeoutError):   # bounded: Redis down = serve on our own view
@@ -115,6 +119,8 @@ class PlacementShare:
     async def close(self) -> None:
         if self.index is not None and self.index.on_record == self.record:
             self.index.on_record = None
+        if self.index is not None and self.index.on_hold == self.record_hold:
+            self.index.on_hold = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -131,6 +137,11 @@ class PlacementShare:
         while len(self._buffer) > self.max_buffer or self._buffered_bytes > self.max_buffer_bytes:
             self._buffered_bytes -= len(self._buffer.popleft()[2])
             PLACEMENT_SHARE.labels("dropped").inc()
+        self._schedule()
+
+    def record_hold(self, address: str, key: int) -> None:
+        """`PrefixIndex.on_hold`: buffer one hold (at most `max_buffer`, the oldest dropped)."""
+        self._holds.append([address, pack_keys((key,))])
         self._schedule()
 
     def changed(self) -> None:
@@ -150,8 +161,11 @@ class PlacementShare:
             return       # Redis is slow: the records wait (bounded); the next publish's end flushes them
         records, self._buffer, self._buffered_bytes = list(self._buffer), deque(), 0
         vector = {a: n for a, n in self._in_flight().items() if n > 0}
-        message = json.dumps({"r": self.router_id, "t": time.time(), "f": vector, "p": records},
-                             separators=(",", ":"))
+        body: dict[str, Any] = {"r": self.router_id, "t": time.time(), "f": vector, "p": records}
+        if self._holds:
+            body["h"] = list(self._holds)
+            self._holds.clear()
+        message = json.dumps(body, separators=(",", ":"))
         self._sent_vector, self._sent_at = vector, time.monotonic()
         self._publishing += 1
         fut = self.pipe.submit("PUBLISH", self.channel, message)
@@ -215,6 +229,7 @@ class PlacementShare:
             age = min(max(0.0, time.time() - float(message["t"])), 60.0)
             vector = {str(a): int(n) for a, n in dict(message.get("f") or {}).items()}
             records = [(str(a), _NAMES[k], unpack_keys(keys)) for a, k, keys in message.get("p") or ()]
+            holds = [(str(a), unpack_keys(key)) for a, key in message.get("h") or ()]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             PLACEMENT_SHARE.labels("bad_message").inc()
             self._warn("placement_share_message", exc)
@@ -224,6 +239,9 @@ class PlacementShare:
             return
         for address, kind, keys in records:
             self.index.remote(address, keys, kind, age)
+        for address, keys in holds:
+            for key in keys:
+                self.index.remote_hold(address, key, age)
         if records:
             self.received += len(records)
             PLACEMENT_SHARE.labels("received").inc(len(records))

@@ -29,6 +29,15 @@ placement (the whole prompt) or a ``stored`` event (blocks prefilled or decoded)
 last `live_window` seconds — the prefixes of conversations in progress there. The rest of what a
 replica holds is stale (conversations that ended or paused) and is what its LRU evicts first.
 `live_window` 0 tracks nothing (the router does so while `--prefix-evict-cost` is 0).
+
+Holds (`hold`, `held`): a request that ended on a replica leaves a hold there, keyed by its prompt's
+last full block: the conversation's next turn (a prompt that extends this one) is expected within
+milliseconds to seconds. Until a placement of a prompt with that key consumes it (here or, shared,
+at another router) or `hold_ttl` seconds pass, `held` reports it to every other prompt's placement,
+so a new conversation does not take the free slot of one between turns (and push that turn off its
+cache); the prompt that owns a hold sees no holds on the replica it returns to. Without holds a
+closed loop moved 17% of shared-hot's follow-up turns at `--prefix-balance-slack 0`
+(docs/routing.md). Other routers' holds arrive through `remote_hold`; `hold_ttl` 0 keeps none.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ DEFAULT_TOKENS_PER_BLOCK = 32
 PENDING_TTL = 5.0
 HISTORY_BLOCKS = 4096   # a replica without events and without a reported KV size
 LIVE_WINDOW = 0.5       # seconds a touched block counts as a conversation in progress
+HOLD_TTL = 0.5          # seconds a replica is held for a conversation's next turn
+MAX_HOLDS = 100_000     # holds kept at most (the oldest go first)
 
 
 def salt_root(salt: str, _cache: dict[str, int] = {}) -> int:  # noqa: B006 - a memo on purpose
@@ -95,12 +106,20 @@ class PrefixIndex:
     """Keys held per replica, from events, recent placements and history (module doc)."""
 
     def __init__(self, tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK, pending_ttl: float = PENDING_TTL,
-                 clock: Callable[[], float] = time.monotonic, live_window: float = LIVE_WINDOW) -> None:
+                 clock: Callable[[], float] = time.monotonic, live_window: float = LIVE_WINDOW,
+                 hold_ttl: float = HOLD_TTL) -> None:
         self.tokens_per_block = tokens_per_block
         self.pending_ttl = pending_ttl
         self.live_window = live_window
         self._clock = clock
         self._replicas: dict[str, _Replica] = {}
+        self.hold_ttl = hold_ttl
+        # A prompt's last full-block key → the replica it ended on; per replica, key → when (oldest first).
+        self._holds: dict[int, str] = {}
+        self._held_at: dict[str, dict[int, float]] = {}
+        self._memo: tuple[Sequence[int], str, dict[bool, list[int]]] | None = None   # match's last keys
+        # (address, key): a hold this router made (the share publishes it).
+        self.on_hold: Callable[[str, int], None] | None = None
         # (address, keys, kind): kind "placed" (pending, or history without events) or "finished"
         # (history only); the keys as this router computed them (salt folded in where it applies).
         self.on_record: Callable[[str, list[int], str], None] | None = None
@@ -114,6 +133,8 @@ class PrefixIndex:
 
     def forget(self, address: str) -> None:
         self._replicas.pop(address, None)
+        for key in self._held_at.pop(address, {}):
+            self._holds.pop(key, None)
 
     def reset(self, address: str, *, events: bool, salted: bool = True, tokens_per_block: int = 0) -> None:
         """A (re)subscription began: drop what was known of the replica's cache (a snapshot follows)."""
@@ -217,6 +238,8 @@ class PrefixIndex:
             self._remember(r, keys)
         if self.on_record is not None and keys:
             self.on_record(address, keys, "placed")
+        if self._holds:
+            self._consume(keys)
         return hit
 
     def remote(self, address: str, keys: Sequence[int], kind: str, age: float = 0.0) -> None:
@@ -235,6 +258,84 @@ class PrefixIndex:
                     self._touch(r, keys, now)
         elif kind in ("placed", "finished"):
             self._remember(r, keys)
+        if kind == "placed" and self._holds:
+            self._consume(keys)
+
+    # -- holds (module doc) --------------------------------------------------------------------
+    def hold(self, address: str, prompt: Sequence[int], salt: str) -> None:
+        """A request of `prompt` ended on `address`: hold the replica for the conversation's next turn."""
+        r = self._replicas.get(address)
+        if self.hold_ttl <= 0 or r is None:
+            return
+        keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "")
+        if keys:
+            self._add_hold(address, keys[-1], self._clock())
+            if self.on_hold is not None:
+                self.on_hold(address, keys[-1])
+
+    def remote_hold(self, address: str, key: int, age: float = 0.0) -> None:
+        """Another router's hold, made `age` seconds ago (a replica this router does not follow: none)."""
+        if self.hold_ttl > 0 and age < self.hold_ttl and address in self._replicas:
+            self._add_hold(address, key, self._clock() - max(0.0, age))
+
+    def _add_hold(self, address: str, key: int, when: float) -> None:
+        self._drop_hold(key)
+        self._holds[key] = address
+        self._held_at.setdefault(address, {})[key] = when
+        if len(self._holds) > MAX_HOLDS:
+            self._drop_hold(next(iter(self._holds)))
+
+    def _drop_hold(self, key: int) -> None:
+        address = self._holds.pop(key, None)
+        if address is not None:
+            at = self._held_at.get(address)
+            if at is not None:
+                at.pop(key, None)
+                if not at:
+                    del self._held_at[address]
+
+    def _consume(self, keys: Sequence[int]) -> None:
+        holds = self._holds
+        for key in keys:
+            if key in holds:
+                self._drop_hold(key)
+
+    def held(self, prompt: Sequence[int], salt: str, addresses: Sequence[str]) -> dict[str, list[float]]:
+        """Per replica of `addresses`, the ages of the holds there (seconds, younger than `hold_ttl`),
+        leaving out the replica that holds this prompt's own hold: its conversation returns there."""
+        if not self._holds:
+            return {}
+        now = self._clock()
+        horizon = now - self.hold_ttl
+        memo = self._memo
+        own = ""
+        for salted in (True, False):
+            if memo is not None and memo[0] is prompt and memo[1] == salt and salted in memo[2]:
+                keys = memo[2][salted]
+            else:
+                keys = block_keys(prompt, self.tokens_per_block, salt if salted else "")
+            for key in reversed(keys):
+                address = self._holds.get(key)
+                if address is not None and self._replicas[address].salted is salted \
+                        and self._held_at[address][key] >= horizon:
+                    own = address
+                    break
+            if own:
+                break
+        out: dict[str, list[float]] = {}
+        for address in addresses:
+            at = self._held_at.get(address)
+            if at and address != own:
+                for key in [k for k, when in at.items() if when < horizon]:
+                    self._drop_hold(key)
+                ages = [now - when for when in at.values()]
+                if ages:
+                    out[address] = ages
+        return out
+
+    def holds(self) -> int:
+        """Holds kept now (some may be past `hold_ttl`, dropped when next looked at)."""
+        return len(self._holds)
 
     @staticmethod
     def _pend(r: _Replica, keys: Sequence[int], expiry: float) -> None:
@@ -342,4 +443,5 @@ class PrefixIndex:
                     depth += 1
             if depth:
                 depths[address] = depth
+        self._memo = (prompt, salt, chains)
         return depths

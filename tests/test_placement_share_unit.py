@@ -148,3 +148,35 @@ async def test_redis_down_each_router_keeps_its_own_view(tmp_path) -> None:
     finally:
         await share.close()
         await pipe.close()
+
+
+async def test_a_hold_reaches_the_other_router_and_its_follow_up_there_consumes_it_here(redis_url: str) -> None:
+    """A conversation's turns alternate between routers: the hold a's end leaves must keep b's new
+    conversations off the replica, and b's placement of the next turn must end a's hold."""
+    ia, ib = _index(), _index()
+    a, pa = await _share(redis_url, "ra", ia, {}, pool="holds")
+    b, pb = await _share(redis_url, "rb", ib, {}, pool="holds")
+    other = list(range(300, 400))
+    try:
+        ia.hold("e1:1", PROMPT, "t")
+        await poll(lambda: ib.held(other, "t", E), timeout=2, what="router b to hear router a's hold")
+        assert list(ib.held(other, "t", E)) == ["e1:1"] and ib.held([*PROMPT, 5], "t", E) == {}
+        ib.placed("e1:1", [*PROMPT, 5, 6, 7], "t")      # the next turn, through b
+        assert ib.holds() == 0
+        await poll(lambda: ia.holds() == 0, timeout=2, what="b's placement to consume a's hold")
+    finally:
+        for share, pipe in ((a, pa), (b, pb)):
+            await share.close()
+            await pipe.close()
+
+
+def test_holds_in_a_message_unreadable_drop_it_whole_stale_are_ignored_fresh_are_entered() -> None:
+    index = _index()
+    share = PlacementShare(None, None, "p", "me", index, dict)
+    before = _sent("bad_message")
+    share.on_message('{"r": "x", "t": 0, "f": {}, "p": [], "h": [["e0:1", "AAAA"]]}')
+    assert _sent("bad_message") == before + 1 and index.holds() == 0
+    share.on_message('{"r": "x", "t": 0, "f": {}, "p": [], "h": [["e0:1", "' + pack_keys([7]) + '"]]}')
+    assert index.holds() == 0       # t 0: 60 s old, past the hold's ttl
+    share.on_message('{"r": "x", "t": %r, "f": {}, "p": [], "h": [["e0:1", "%s"]]}' % (time.time(), pack_keys([7])))
+    assert index.holds() == 1
