@@ -247,12 +247,10 @@ class PrefixAware:
 
         holds = self.index.held(request.prompt_ids, request.cache_salt, [s.address for s in balanced]) \
             if w.hold_cost > 0 else {}
-        ttl = self.index.hold_ttl
 
         def held(s: ReplicaSnapshot) -> float:
             """Fresh holds of other conversations there: a new one would take their turn's slot."""
-            ages = holds.get(s.address)
-            return w.hold_cost * sum(1.0 - age / ttl for age in ages) if ages else 0.0
+            return w.hold_cost * holds.get(s.address, 0.0)
 
         def cost(s: ReplicaSnapshot) -> tuple[float, int]:
             on = requests_on(s)

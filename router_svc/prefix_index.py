@@ -114,9 +114,11 @@ class PrefixIndex:
         self._clock = clock
         self._replicas: dict[str, _Replica] = {}
         self.hold_ttl = hold_ttl
-        # A prompt's last full-block key → the replica it ended on; per replica, key → when (oldest first).
+        # A prompt's last full-block key → the replica it ended on; per replica, key → when (oldest
+        # first) and the sum of those times (a replica's hold weight in O(1), `held`).
         self._holds: dict[int, str] = {}
         self._held_at: dict[str, dict[int, float]] = {}
+        self._held_sum: dict[str, float] = {}
         self._memo: tuple[Sequence[int], str, dict[bool, list[int]]] | None = None   # match's last keys
         # (address, key): a hold this router made (the share publishes it).
         self.on_hold: Callable[[str, int], None] | None = None
@@ -135,6 +137,7 @@ class PrefixIndex:
         self._replicas.pop(address, None)
         for key in self._held_at.pop(address, {}):
             self._holds.pop(key, None)
+        self._held_sum.pop(address, None)
 
     def reset(self, address: str, *, events: bool, salted: bool = True, tokens_per_block: int = 0) -> None:
         """A (re)subscription began: drop what was known of the replica's cache (a snapshot follows)."""
@@ -282,6 +285,7 @@ class PrefixIndex:
         self._drop_hold(key)
         self._holds[key] = address
         self._held_at.setdefault(address, {})[key] = when
+        self._held_sum[address] = self._held_sum.get(address, 0.0) + when
         if len(self._holds) > MAX_HOLDS:
             self._drop_hold(next(iter(self._holds)))
 
@@ -289,10 +293,10 @@ class PrefixIndex:
         address = self._holds.pop(key, None)
         if address is not None:
             at = self._held_at.get(address)
-            if at is not None:
-                at.pop(key, None)
+            if at is not None and key in at:
+                self._held_sum[address] -= at.pop(key)
                 if not at:
-                    del self._held_at[address]
+                    del self._held_at[address], self._held_sum[address]
 
     def _consume(self, keys: Sequence[int]) -> None:
         holds = self._holds
@@ -300,13 +304,15 @@ class PrefixIndex:
             if key in holds:
                 self._drop_hold(key)
 
-    def held(self, prompt: Sequence[int], salt: str, addresses: Sequence[str]) -> dict[str, list[float]]:
-        """Per replica of `addresses`, the ages of the holds there (seconds, younger than `hold_ttl`),
-        leaving out the replica that holds this prompt's own hold: its conversation returns there."""
+    def held(self, prompt: Sequence[int], salt: str, addresses: Sequence[str]) -> dict[str, float]:
+        """Per replica of `addresses` with holds, their weight: Σ (1 - age / `hold_ttl`) over the holds
+        younger than `hold_ttl` (a fresh hold weighs 1). The replica that holds this prompt's own hold
+        is left out: its conversation returns there. O(1) per replica (expiry from the oldest)."""
         if not self._holds:
             return {}
         now = self._clock()
-        horizon = now - self.hold_ttl
+        ttl = self.hold_ttl
+        horizon = now - ttl
         memo = self._memo
         own = ""
         for salted in (True, False):
@@ -322,15 +328,19 @@ class PrefixIndex:
                     break
             if own:
                 break
-        out: dict[str, list[float]] = {}
+        out: dict[str, float] = {}
         for address in addresses:
             at = self._held_at.get(address)
-            if at and address != own:
-                for key in [k for k, when in at.items() if when < horizon]:
-                    self._drop_hold(key)
-                ages = [now - when for when in at.values()]
-                if ages:
-                    out[address] = ages
+            if not at or address == own:
+                continue
+            while at:
+                key, when = next(iter(at.items()))
+                if when >= horizon:
+                    break
+                self._drop_hold(key)
+            n = len(at)
+            if n:   # Σ (1 - (now - t) / ttl); another router's late hold may sit out of order: clamp
+                out[address] = max(0.0, n - (n * now - self._held_sum[address]) / ttl)
         return out
 
     def holds(self) -> int:

@@ -33,16 +33,22 @@ def test_a_hold_is_seen_by_other_prompts_not_by_its_own_and_a_follow_up_consumes
     index = _index(now)
     index.hold("a", C, "t")
     now[0] += 0.1
-    assert index.held(D, "t", ["a", "b"]) == {"a": [pytest.approx(0.1)]}
+    assert index.held(D, "t", ["a", "b"]) == {"a": pytest.approx(0.8)}      # 0.1 s of 0.5
     assert index.held(C_NEXT, "t", ["a", "b"]) == {}       # C returns there: not held against it
     index.placed("b", C_NEXT, "t")                          # wherever the next turn goes, it is back
     assert index.held(D, "t", ["a", "b"]) == {} and index.holds() == 0
 
 
-def test_holds_expire_and_ttl_zero_keeps_none() -> None:
+def test_holds_weigh_by_age_and_expire_and_ttl_zero_keeps_none() -> None:
     now = [10.0]
     index = _index(now)
     index.hold("a", C, "t")
+    now[0] += 0.2
+    index.hold("a", [*SHARED, 90, 91, 92, 93], "t")
+    now[0] += 0.1
+    assert index.held(D, "t", ["a"]) == {"a": pytest.approx(0.4 + 0.8)}     # ages 0.3 and 0.1 of 0.5
+    now[0] += 0.3
+    assert index.held(D, "t", ["a"]) == {"a": pytest.approx(0.2)} and index.holds() == 1   # 0.6 s: gone; 0.4 s
     now[0] += 0.6
     assert index.held(D, "t", ["a", "b"]) == {} and index.holds() == 0
     off = _index(now, ttl=0.0)
@@ -58,7 +64,7 @@ def test_a_prompt_shorter_than_a_block_leaves_no_hold_and_forget_drops_a_replica
     index.hold("a", C, "t")
     index.hold("b", D, "t")
     index.forget("a")
-    assert index.held(C_NEXT, "t", ["a", "b"]) == {"b": [0.0]}
+    assert index.held(C_NEXT, "t", ["a", "b"]) == {"b": 1.0}
 
 
 def test_another_routers_holds_enter_with_their_age_and_its_placements_consume_them() -> None:
@@ -69,7 +75,7 @@ def test_another_routers_holds_enter_with_their_age_and_its_placements_consume_t
     index.remote_hold("z", key, age=0.0)      # a replica this router does not follow: ignored
     assert index.holds() == 0
     index.remote_hold("a", key, age=0.2)
-    assert index.held(D, "t", ["a"]) == {"a": [pytest.approx(0.2)]}
+    assert index.held(D, "t", ["a"]) == {"a": pytest.approx(0.6)}
     index.remote("b", block_keys(C_NEXT, TPB, "t"), "placed")
     assert index.holds() == 0
 
@@ -82,7 +88,7 @@ def test_the_holds_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for p in prompts:
         index.hold("a", p, "t")
     assert index.holds() == 3
-    assert len(index.held(D, "t", ["a"])["a"]) == 3
+    assert index.held(D, "t", ["a"])["a"] == 3.0
 
 
 def _snaps() -> list[ReplicaSnapshot]:
