@@ -138,7 +138,7 @@ class RoutingSettings(Section):
         1.25, ge=1, le=100, description="prefix policy: a replica is a candidate only while its "
                                         "requests are at most this times the least loaded replica's (or that "
                                         "plus --prefix-balance-slack)")
-    prefix_balance_slack: int = Field(2, ge=0, le=10_000, description="prefix policy: see --prefix-balance-ratio")
+    prefix_balance_slack: int = Field(1, ge=0, le=10_000, description="prefix policy: see --prefix-balance-ratio")
     prefix_evict_cost: float = Field(
         0.0, ge=0, le=1_000, description="prefix policy: prompt tokens of prefill that one token of other "
                                          "conversations in progress on a replica is worth where they could "

@@ -142,7 +142,7 @@ class PrefixWeights:
     load_cost: float = 256.0     # prompt tokens of prefill one request waiting ahead (batch full) is worth
     run_cost: float = 16.0       # ... and one request running there (it shares every step)
     balance_rel: float = 1.25    # a candidate's requests ≤ max(rel × least, least + abs)
-    balance_abs: int = 2
+    balance_abs: int = 1
     kv_high: float = KV_HIGH_WATER
     evict_cost: float = 0.0      # ... per token of other conversations in progress (`live_pressure`; 0 = off)
     hold_cost: float = 512.0     # ... per fresh hold of another conversation between turns (0 = off)
