@@ -315,11 +315,11 @@ class PrefixIndex:
         horizon = now - ttl
         memo = self._memo
         own = ""
-        for salted in (True, False):
-            if memo is not None and memo[0] is prompt and memo[1] == salt and salted in memo[2]:
-                keys = memo[2][salted]
-            else:
-                keys = block_keys(prompt, self.tokens_per_block, salt if salted else "")
+        # The keys `match` just computed for this prompt, one chain per salting of the candidates (a
+        # hold on a replica of another salting is not a candidate's); else both chains.
+        chains = memo[2] if memo is not None and memo[0] is prompt and memo[1] == salt else {
+            salted: block_keys(prompt, self.tokens_per_block, salt if salted else "") for salted in (True, False)}
+        for salted, keys in chains.items():
             for key in reversed(keys):
                 address = self._holds.get(key)
                 if address is not None and self._replicas[address].salted is salted \
