@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router_svc.placement import PrefixAware, PrefixWeights  # noqa: E402
-from router_svc.ports import PlacementView, ReplicaSnapshot  # noqa: E402
-from router_svc.prefix_index import PrefixIndex  # noqa: E402
+from router_svc.placement import PrefixAware, PrefixWeights
+from router_svc.ports import PlacementView, ReplicaSnapshot
+from router_svc.prefix_index import PrefixIndex
 
 
 def run(replicas: int, holds: int, decisions: int, repeats: int, seed: int = 0) -> tuple[float, float]:

@@ -248,14 +248,14 @@ class PrefixAware:
         holds = self.index.held(request.prompt_ids, request.cache_salt, [s.address for s in balanced]) \
             if w.hold_cost > 0 else {}
 
-        def held(s: ReplicaSnapshot) -> float:
+        def hold_weight(s: ReplicaSnapshot) -> float:
             """Fresh holds of other conversations there: a new one would take their turn's slot."""
             return w.hold_cost * holds.get(s.address, 0.0)
 
         def cost(s: ReplicaSnapshot) -> tuple[float, int]:
             on = requests_on(s)
             waits = waiting_ahead(s) + kv_short(s)
-            return (prompt_len - cached(s) + w.load_cost * waits + w.run_cost * on + evict(s) + held(s), on)
+            return (prompt_len - cached(s) + w.load_cost * waits + w.run_cost * on + evict(s) + hold_weight(s), on)
 
         return min(balanced, key=cost).address     # ties: the first in the pool's order, on every router
 

@@ -14,18 +14,19 @@ never a round trip on the request's path):
 Python's hash of int tuples from a blake2b salt root, the same in every process), packed as little-
 endian int64 and base64-encoded (11 characters a block). A receiver enters them with
 `PrefixIndex.remote`, exactly as its own placements (same expiry, less the record's age), and
-ignores its own messages. `h` (when any) lists the holds this router made (`PrefixIndex.hold`: a
-request ended there, its conversation's next turn is expected), each one packed key, entered with
-`PrefixIndex.remote_hold`; a receiver that predates holds ignores the field. `f` is the sender's whole in-flight vector (absolute counts, so a lost
-message costs nothing later): sent with every flush, including one at the end of the loop iteration
-in which a request let go of its replica (`changed`, from `EnginePool.release`), and by a ticker
-every `tick` s when it changed otherwise (or every `refresh` s while non-zero); a vector older than
-`stale` s is ignored. Ends are sent at once because a conversation's next turn follows its last
-within milliseconds, often through another router: a count the ticker would send 0-50 ms later made
-that router see the conversation's own ended turn on its replica and move the turn elsewhere
-(`shared-hot`, two routers: 25-32% of follow-up turns moved; docs/routing.md). `remote_in_flight()`
-sums the other routers' vectors, which the prefix policy adds to this router's own in-flight count
-(and clamps the engines' reported counts to: `placement.cluster_view`); None while not subscribed.
+ignores its own messages. `h` (when any) lists the holds this router made (`PrefixIndex.hold`: a request
+ended there, its conversation's next turn is expected), each one packed key, entered with
+`PrefixIndex.remote_hold`; a receiver that predates holds ignores the field. `f` is the sender's whole
+in-flight vector (absolute counts, so a lost message costs nothing later): sent with every flush,
+including one at the end of the loop iteration in which a request let go of its replica (`changed`, from
+`EnginePool.release`), and by a ticker every `tick` s when it changed otherwise (or every `refresh` s
+while non-zero); a vector older than `stale` s is ignored. Ends are sent at once because a
+conversation's next turn follows its last within milliseconds, often through another router: a count the
+ticker would send 0-50 ms later made that router see the conversation's own ended turn on its replica
+and move the turn elsewhere (`shared-hot`, two routers: 25-32% of follow-up turns moved;
+docs/routing.md). `remote_in_flight()` sums the other routers' vectors, which the prefix policy adds to
+this router's own in-flight count (and clamps the engines' reported counts to:
+`placement.cluster_view`); None while not subscribed.
 
 Bounded and harmless: at most `max_buffer` records and `max_buffer_bytes` of keys wait for a flush
 (more are dropped, oldest first, counted), at most `max_publishes` PUBLISHes are in flight (while

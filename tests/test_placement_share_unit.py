@@ -4,6 +4,7 @@ the other enters (pending, with the same expiry), in-flight vectors, and Redis d
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -178,5 +179,6 @@ def test_holds_in_a_message_unreadable_drop_it_whole_stale_are_ignored_fresh_are
     assert _sent("bad_message") == before + 1 and index.holds() == 0
     share.on_message('{"r": "x", "t": 0, "f": {}, "p": [], "h": [["e0:1", "' + pack_keys([7]) + '"]]}')
     assert index.holds() == 0       # t 0: 60 s old, past the hold's ttl
-    share.on_message('{"r": "x", "t": %r, "f": {}, "p": [], "h": [["e0:1", "%s"]]}' % (time.time(), pack_keys([7])))
+    fresh = {"r": "x", "t": time.time(), "f": {}, "p": [], "h": [["e0:1", pack_keys([7])]]}
+    share.on_message(json.dumps(fresh))
     assert index.holds() == 1
