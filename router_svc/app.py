@@ -89,13 +89,13 @@ def _placement(routing: RoutingSettings) -> tuple[Placement, PrefixIndex | None]
     """The routing policy, and the prefix index it reads (the prefix policy only)."""
     if routing.routing_policy != "prefix":
         return make_policy(routing.routing_policy), None
-    holding = routing.prefix_hold_cost > 0
+    holds = routing.prefix_hold_cost > 0 and routing.prefix_hold_seconds > 0   # either 0: no holds at all
     index = PrefixIndex(pending_ttl=routing.prefix_pending_ttl,
                         live_window=routing.prefix_live_window if routing.prefix_evict_cost > 0 else 0.0,
-                        hold_ttl=routing.prefix_hold_seconds if holding else 0.0)
+                        hold_ttl=routing.prefix_hold_seconds if holds else 0.0)
     weights = PrefixWeights(routing.prefix_load_cost, routing.prefix_run_cost, routing.prefix_balance_ratio,
                             routing.prefix_balance_slack, evict_cost=routing.prefix_evict_cost,
-                            hold_cost=routing.prefix_hold_cost if routing.prefix_hold_seconds > 0 else 0.0)
+                            hold_cost=routing.prefix_hold_cost if holds else 0.0)
     return PrefixAware(index, weights), index
 
 

@@ -7,8 +7,9 @@ import pytest
 
 from router_svc import prefix_index
 from router_svc.placement import PrefixAware, PrefixWeights
-from router_svc.ports import PlacementView, ReplicaSnapshot
+from router_svc.ports import ReplicaSnapshot
 from router_svc.prefix_index import PrefixIndex, block_keys
+from tests.router.test_prefix_routing import view
 
 TPB = 4
 SHARED = list(range(1, 17))            # 4 blocks every conversation starts with
@@ -22,10 +23,6 @@ def _index(now: list[float], ttl: float = 0.5) -> PrefixIndex:
     for address in ("a", "b"):
         index.reset(address, events=True)
     return index
-
-
-def view(prompt: list[int]) -> PlacementView:
-    return PlacementView("t", prompt_tokens=len(prompt), prompt_ids=prompt, cache_salt="t")
 
 
 def test_a_hold_is_seen_by_other_prompts_not_by_its_own_and_a_follow_up_consumes_it() -> None:
