@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -46,6 +47,7 @@ from . import metrics, queue_lua
 from .admission_book import Book, Lease, LocalLease, LocalLimits, Waiter
 from .admission_calls import MAX_EXTENSIONS, Batcher, Timed
 from .admission_settings import AdmissionSettings
+from .budget_memo import BudgetMemo
 from .cluster_redis import open_redis
 from .ports import AdmitRequest
 
@@ -59,6 +61,7 @@ T = TypeVar("T")
 _MAX_BACKLOG = 0.25
 _MAX_CHILDREN = 4096
 _OVERLOADED = Reason.ROUTER_OVERLOADED.value.lower()
+_RATE_LIMITED = Reason.TOKEN_RATE_LIMITED.value
 _REFUSAL_TEXT = {
     Reason.TENANT_CONCURRENCY_LIMIT: "tenant {t!r} has {mi} requests in flight (its limit) and may not queue more",
     Reason.TENANT_QUEUE_FULL: "tenant {t!r} has {mq} requests queued (its max_queued) and the engines are busy",
@@ -150,6 +153,9 @@ class Admission:
         # make every admission and settle behind them later until they time out.
         self.max_backlog = min(_MAX_BACKLOG, settings.op_timeout / 4)
         self.local = LocalLimits()
+        # Token-budget refusals Redis gave this process: the tenant's next requests that cannot fit
+        # either are refused by `precheck` without a round trip (budget_memo.py).
+        self.memo = BudgetMemo(settings.budget_memo_ms / 1000)
         self._background: set[asyncio.Future[Any]] = set()
         # Labelled metric children, looked up once per label set rather than once per request.
         self._outcomes: dict[tuple[str, str, str], Any] = {}
@@ -267,8 +273,26 @@ class Admission:
                                    f"{self.settings.redis_url} runs {version}")
         self.book.start()
 
+    def precheck(self, req: AdmitRequest) -> None:
+        """Refuse at once, with no Redis call, what Redis would refuse for the tenant's token budget
+        (`req.cost`: the least the request can cost, before its prompt is tokenized): a request larger
+        than the whole budget, or one that cannot fit the budget Redis refused within --budget-memo-ms."""
+        tpm = req.tokens_per_minute
+        if tpm <= 0:
+            return
+        if req.cost > tpm:
+            raise self._refusal(Reason.TOKEN_BUDGET_TOO_SMALL.value, 0, req, self.class_of(req.priority), local=True)
+        # The request's wait limit in the script is at most this (less its service time when it has a deadline).
+        limit = self.settings.max_queue_wait * 1000
+        if req.deadline > 0:
+            limit = min(limit, max(1.0, req.deadline * 1000))
+        wait = self.memo.wait_ms(req.tenant, tpm, req.cost, limit)
+        if wait is not None:
+            raise self._refusal(Reason.TOKEN_RATE_LIMITED.value, wait, req, self.class_of(req.priority), local=True)
+
     async def admit(self, req: AdmitRequest) -> Admitting:
         """Enqueue `req`: granted at once, queued, or refused with a typed reason and a retry-after."""
+        asked_at = time.monotonic()
         self.book.start()
         cls = self.class_of(req.priority)
         cap = self.capacity_now()
@@ -310,6 +334,8 @@ class Admission:
             fut.add_done_callback(withdraw)
             raise
         status, value, extra = int(reply[0]), reply[1], int(reply[2])
+        if status != 0 and req.tokens_per_minute > 0:
+            self.memo.admitted(req.tenant, req.cost, asked_at)
         if status == 1:
             lease = self.book.granted(waiter, _s(value))
             self.outcome(req.tenant, cls, "granted")
@@ -323,11 +349,16 @@ class Admission:
             self.outcome(req.tenant, cls, "queued")
             return Admitting(self, waiter, None, int(value))
         self.book.waiting.pop(member, None)
-        raise self._refusal(_s(value), extra, req, cls)
+        name = _s(value)
+        if name == _RATE_LIMITED:
+            self.memo.refused(req.tenant, req.tokens_per_minute, req.cost, extra, asked_at)
+        raise self._refusal(name, extra, req, cls)
 
-    def _refusal(self, name: str, retry_ms: int, req: AdmitRequest, cls: str) -> TokenrelayError:
+    def _refusal(self, name: str, retry_ms: int, req: AdmitRequest, cls: str, local: bool = False) -> TokenrelayError:
         reason = Reason.lookup(name)
         self.outcome(req.tenant, cls, name.lower())
+        if local:
+            metrics.ADMISSION_LOCAL_REFUSALS.labels(name.lower()).inc()
         if reason is None or reason not in _REFUSAL_TEXT:
             return Reason.INTERNAL.error(f"admission refused with an unknown reason {name!r}")
         text = _REFUSAL_TEXT[reason].format(id=req.request_id, t=req.tenant, mi=req.max_in_flight,
@@ -365,7 +396,9 @@ class Admission:
             log.warning("queue_cancel_failed", member=waiter.member, error=repr(exc))
             return
         self.book.notices(reply[2:])
-        if int(reply[0]) == 2:   # granted meanwhile
+        if int(reply[0]) == 1:   # out of the queue: its cost no longer counts against its budget
+            self.memo.refunded(waiter.req.tenant, waiter.req.cost)
+        elif int(reply[0]) == 2:   # granted meanwhile
             await self.book.granted(waiter, _s(reply[1])).settle_tokens(0)
 
     async def depths(self) -> dict[str, int]:

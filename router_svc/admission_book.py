@@ -199,6 +199,8 @@ class Book:
             return
         if waiter is not None:
             self.waiting.pop(member, None)
+            if waiter.queued:      # out of the queue: its cost no longer counts against its budget
+                self.admission.memo.refunded(waiter.req.tenant, waiter.req.cost)
             reason, text = _GONE.get(why, _GONE["lost"])
             waiter.fail(reason.error(text))
 
@@ -212,6 +214,7 @@ class Book:
     def settle_call(self, lease: Lease, tokens: int) -> asyncio.Future[list[Any]]:
         req = lease.req
         fut = self.admission.settles.add([lease.member, lease.fence, tokens, req.tokens_per_minute, req.weight])
+        self.admission.memo.refunded(req.tenant, req.cost - tokens)     # used less than its estimate
         fut.add_done_callback(lambda done: self._settled(lease, tokens, done))
         return fut
 

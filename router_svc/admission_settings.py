@@ -68,6 +68,12 @@ class AdmissionSettings(Section):
     max_queue_wait: float = Field(60.0, gt=0, le=3600, description="longest estimated wait (queue or token "
                                   "budget) a request is queued for; beyond it, or beyond its deadline, it is "
                                   "refused at once with a retry-after")
+    budget_memo_ms: int = Field(500, ge=0, le=10_000, description="after Redis refuses a tenant's request for "
+                                "its token budget, refuse that tenant's next requests that cannot fit it either "
+                                "(their least possible cost against the debt Redis reported, refilled at the "
+                                "tenant's rate, less this router's own refunds) for this long without a Redis "
+                                "call, an id claim or a Tokenize; a refund at another router within the window "
+                                "is seen at the next call (0 = ask Redis every time)")
     pool_capacity: int = Field(0, ge=0, le=1_000_000, description="requests the engine pool runs at once "
                                "(0 = from the engines' reports: each serving replica's batch size)")
     capacity_factor: float = Field(1.0, gt=0, le=16, description="dispatch up to this many times the engines' "

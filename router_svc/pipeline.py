@@ -180,6 +180,11 @@ class Router:
         tenant.check_model(inp.model)
         tenant.resolve_priority(inp.priority)
         state.check_deadline()
+        # A tenant far past its token budget is refused here, before its id is claimed or its prompt
+        # tokenized, when admission already knows Redis would refuse it (router_svc/budget_memo.py).
+        # Its least cost: an admitted prompt has a token at least, and an omitted max_tokens (0) becomes 1 or more.
+        least = max(1, len(inp.token_ids or ())) + max(1, inp.sampling.max_tokens)
+        self.ports.admission.precheck(self._admit_request(tenant, state, least))
         # The prompt is tokenized while the id claim (a Redis round trip with several routers) is
         # answered, and — on an estimate of its prompt — admitted meanwhile too (`_early`): nothing
         # reaches the client or an engine before the three are done. The claim is taken before its
@@ -305,15 +310,17 @@ class Router:
     async def _enqueue(self, tenant: Tenant, state: RequestState, rctx: Context, cost: int = 0) -> Admitting:
         """One round trip: granted at once, queued (with its position), or refused. `cost`: the
         request's estimated tokens when its prompt is not tokenized yet (else prompt + max_tokens)."""
-        limits = tenant_limits(tenant, self.options.default_max_queued)
-        request = AdmitRequest(tenant.name, state.request_id, state.priority, cost or state.cost, state.remaining(),
-                               *limits)
+        request = self._admit_request(tenant, state, cost or state.cost)
         try:
             with child_span(_tracer, "queue_wait", context=rctx):   # the enqueue round trip
                 async with asyncio.timeout(state.remaining()):
                     return await self.ports.admission.admit(request)
         except TimeoutError:
             raise Reason.DEADLINE_EXCEEDED.error("the deadline passed while waiting for admission") from None
+
+    def _admit_request(self, tenant: Tenant, state: RequestState, cost: int) -> AdmitRequest:
+        limits = tenant_limits(tenant, self.options.default_max_queued)
+        return AdmitRequest(tenant.name, state.request_id, state.priority, cost, state.remaining(), *limits)
 
     async def _queued(self, state: RequestState, admitting: Admitting, rctx: Context) -> AsyncIterator[Event]:
         """Wait in the queue: an `Accepted` with the new position at each change, until granted.

@@ -198,6 +198,11 @@ class Admitting(Protocol):
 
 
 class Admission(Protocol):
+    def precheck(self, request: AdmitRequest) -> None:
+        """Raise at once, with no I/O, a refusal admission already knows `request` would get
+        (`request.cost`: the least it can cost, its prompt not tokenized yet); else nothing."""
+        ...
+
     async def admit(self, request: AdmitRequest) -> Admitting:
         """Enqueue: granted at once, queued, or refused (ResourceExhausted / Unavailable with a
         reason and a retry-after). Cancellation while admitting leaves nothing behind."""

@@ -220,6 +220,13 @@ class FakeAdmission:
         self.gate: asyncio.Event | None = None
         self.refuse: TokenrelayError | None = None
         self.requests: list[AdmitRequest] = []
+        self.prechecked: list[AdmitRequest] = []
+        self.known_refusal: TokenrelayError | None = None   # what precheck raises
+
+    def precheck(self, request: AdmitRequest) -> None:
+        self.prechecked.append(request)
+        if self.known_refusal is not None:
+            raise self.known_refusal
 
     async def admit(self, request: AdmitRequest) -> FakeAdmitting:
         self.requests.append(request)

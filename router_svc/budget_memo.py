@@ -1,0 +1,105 @@
+"""What a tenant's token budget owed when Redis last refused it, so that a router can refuse the
+tenant's next requests that cannot fit either without asking again (`--budget-memo-ms`).
+
+A tenant far past its `tokens_per_minute` (a retry loop, a runaway batch job) otherwise costs a
+Redis round trip, an id claim and a Tokenize call per request, only to be told the same thing; at
+3x overload those refusals were half of a router's work (issue 11). Redis keeps the budget as GCRA
+over tokens (`queue_lua.py`): a request of `cost` tokens waits
+
+    wait = debt + cost * 60000 / tpm        (ms; refused when wait > the request's wait limit)
+
+where `debt` is the tenant's theoretical arrival time plus its queued requests' cost, less a
+minute, less now. A refusal's retry-after is that wait rounded up, so the router learns
+`debt >= retry_after - 1 - cost * 60000 / tpm` at the moment the script ran. The debt then falls by
+one ms per ms (the budget refills) and by refunds (a settle below the estimate, a queued request
+that left); it rises with every request admitted. So for a later request whose cost is at least
+`least` tokens:
+
+    wait >= debt_then - (now - asked_at) + admitted_here - refunds_seen_here + least * 60000 / tpm
+
+`admitted_here` counts only requests this router sent after the refusal came back (Redis ran them
+after it, so they are not in `debt_then`); every refund seen here is taken off, even one of a
+request whose cost `debt_then` may not hold: the bound only gets lower.
+
+and when that lower bound is past the request's own limit (at most min(max_queue_wait, its
+deadline)), Redis would refuse it too. `asked_at` is taken before the call was sent, so the time
+elapsed is over-counted, never under. What this router cannot see is a refund or a withdrawn
+queued request at *another* router: an entry lives at most `ttl` seconds, so such a refund is seen
+at the next round trip, after at most that long.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MAX_TENANTS = 10_000
+
+
+@dataclass(slots=True)
+class _Entry:
+    asked_at: float     # this router's clock, before the refused call was sent
+    debt_ms: float      # a lower bound of the tenant's budget debt then (ms of refill)
+    tpm: int
+    until: float
+    replied_at: float   # when the refusal came back: admissions asked for after it came after it
+
+
+class BudgetMemo:
+    """Per tenant, the last token-budget refusal Redis gave this router (bounded, expiring)."""
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic,
+                 max_tenants: int = MAX_TENANTS) -> None:
+        self.ttl = ttl
+        self._clock = clock
+        self._max = max_tenants
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def refused(self, tenant: str, tpm: int, cost: int, retry_ms: int, asked_at: float) -> None:
+        """Redis refused a request of `cost` tokens with TOKEN_RATE_LIMITED and `retry_ms`."""
+        if self.ttl <= 0 or tpm <= 0 or retry_ms <= 0:
+            return
+        entries = self._entries
+        entries.pop(tenant, None)          # re-inserted last: the dict's order is the age order
+        if len(entries) >= self._max:
+            now = self._clock()
+            for name in [n for n, e in entries.items() if e.until <= now]:
+                del entries[name]
+            while len(entries) >= self._max:
+                del entries[next(iter(entries))]
+        entries[tenant] = _Entry(asked_at, retry_ms - 1 - cost * 60000 / tpm, tpm, asked_at + self.ttl,
+                                 self._clock())
+
+    def admitted(self, tenant: str, cost: int, asked_at: float) -> None:
+        """Redis granted or queued a request of the tenant that this router asked for at `asked_at`:
+        its cost is charged to the budget (counted only when asked for after the refusal came back)."""
+        entry = self._entries.get(tenant)
+        if entry is not None and asked_at > entry.replied_at:
+            entry.debt_ms += cost * 60000 / entry.tpm
+
+    def refunded(self, tenant: str, tokens: int) -> None:
+        """This router gave `tokens` of the tenant's budget back (a settle below the estimate, a
+        queued request withdrawn). Charges above the estimate are not counted: the bound stays low."""
+        entry = self._entries.get(tenant)
+        if entry is not None and tokens > 0:
+            entry.debt_ms -= tokens * 60000 / entry.tpm
+
+    def wait_ms(self, tenant: str, tpm: int, least: int, limit_ms: float) -> int | None:
+        """The least wait (ms) Redis would give a request of at least `least` tokens, if that is
+        past `limit_ms` (so Redis would refuse it); None when it might fit, or nothing is known."""
+        entry = self._entries.get(tenant)
+        if entry is None:
+            return None
+        now = self._clock()
+        if now >= entry.until or entry.tpm != tpm:     # expired, or the tenant's budget changed
+            del self._entries[tenant]
+            return None
+        wait = entry.debt_ms - (now - entry.asked_at) * 1000 + least * 60000 / tpm
+        if wait <= limit_ms:
+            return None
+        return math.ceil(wait)
