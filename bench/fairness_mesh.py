@@ -134,7 +134,7 @@ class Mesh:
         out = {"tokenizer_cpu_s": _cpu_s(self.procs.procs["tokenizer"].pid),
                "redis_cpu_s": _cpu_s(self.procs.procs["redis"].pid),
                "cpu_s": 0.0, "lag_samples": 0.0, "lag_over_10ms": 0.0, "lag_over_50ms": 0.0, "gc": 0.0,
-               "gc_over_10ms": 0.0, "gc_s": 0.0}
+               "gc_over_10ms": 0.0, "gc_s": 0.0, "local_refusals": 0.0, "enqueue_calls": 0.0}
         for i in range(len(self.routers)):
             out["cpu_s"] += _cpu_s(self.procs.procs[f"router{i}"].pid)
             port = (self.work / f"router{i}.metrics-port").read_text().strip()
@@ -150,6 +150,11 @@ class Mesh:
                     out["gc"] += count
                     out["gc_over_10ms"] += count - le["0.01"]
                     out["gc_s"] += seconds
+                elif family.name == "tokenrelay_router_admission_local_refusals":
+                    out["local_refusals"] += sum(x.value for x in family.samples if x.name.endswith("_total"))
+                elif family.name == "tokenrelay_router_redis_seconds":
+                    out["enqueue_calls"] += sum(x.value for x in family.samples
+                                                if x.name.endswith("_count") and x.labels.get("op") == "enqueue")
         return out
 
     def _redis(self) -> Any:

@@ -277,18 +277,22 @@ class Admission:
         """Refuse at once, with no Redis call, what Redis would refuse for the tenant's token budget
         (`req.cost`: the least the request can cost, before its prompt is tokenized): a request larger
         than the whole budget, or one that cannot fit the budget Redis refused within --budget-memo-ms."""
+        known = self._known_refusal(req)
+        if known is not None:
+            raise self._refusal(*known, req, self.class_of(req.priority), local=True)
+
+    def predicts_refusal(self, req: AdmitRequest) -> bool:
+        """Would `precheck` refuse `req` (its cost an estimate here, not the least)? Nothing is counted."""
+        return self._known_refusal(req) is not None
+
+    def _known_refusal(self, req: AdmitRequest) -> tuple[str, int] | None:
         tpm = req.tokens_per_minute
         if tpm <= 0:
-            return
+            return None
         if req.cost > tpm:
-            raise self._refusal(Reason.TOKEN_BUDGET_TOO_SMALL.value, 0, req, self.class_of(req.priority), local=True)
-        # The request's wait limit in the script is at most this (less its service time when it has a deadline).
-        limit = self.settings.max_queue_wait * 1000
-        if req.deadline > 0:
-            limit = min(limit, max(1.0, req.deadline * 1000))
-        wait = self.memo.wait_ms(req.tenant, tpm, req.cost, limit)
-        if wait is not None:
-            raise self._refusal(Reason.TOKEN_RATE_LIMITED.value, wait, req, self.class_of(req.priority), local=True)
+            return Reason.TOKEN_BUDGET_TOO_SMALL.value, 0
+        wait = self.memo.wait_ms(req.tenant, tpm, req.cost, req.deadline * 1000, self.settings.max_queue_wait * 1000)
+        return None if wait is None else (_RATE_LIMITED, wait)
 
     async def admit(self, req: AdmitRequest) -> Admitting:
         """Enqueue `req`: granted at once, queued, or refused with a typed reason and a retry-after."""
@@ -350,8 +354,9 @@ class Admission:
             return Admitting(self, waiter, None, int(value))
         self.book.waiting.pop(member, None)
         name = _s(value)
-        if name == _RATE_LIMITED:
-            self.memo.refused(req.tenant, req.tokens_per_minute, req.cost, extra, asked_at)
+        if name.startswith(_RATE_LIMITED):     # with the mean lease the script set aside: NAME/ms
+            name, _, lease_ms = name.partition("/")
+            self.memo.refused(req.tenant, req.tokens_per_minute, req.cost, extra, asked_at, float(lease_ms or 0))
         raise self._refusal(name, extra, req, cls)
 
     def _refusal(self, name: str, retry_ms: int, req: AdmitRequest, cls: str, local: bool = False) -> TokenrelayError:

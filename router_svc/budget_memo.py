@@ -21,11 +21,13 @@ that left); it rises with every request admitted. So for a later request whose c
 after it, so they are not in `debt_then`); every refund seen here is taken off, even one of a
 request whose cost `debt_then` may not hold: the bound only gets lower.
 
-and when that lower bound is past the request's own limit (at most min(max_queue_wait, its
-deadline)), Redis would refuse it too. `asked_at` is taken before the call was sent, so the time
-elapsed is over-counted, never under. What this router cannot see is a refund or a withdrawn
-queued request at *another* router: an entry lives at most `ttl` seconds, so such a refund is seen
-at the next round trip, after at most that long.
+and when that lower bound is past the request's own limit, Redis would refuse it too. The limit is
+the script's: min(max_queue_wait, its remaining time less min(mean lease, half of it)), with the
+pool's mean lease the refusal reported (an average over many leases, which moves little within a
+memo's life), and the request's remaining time now (the script would see less). `asked_at` is taken
+before the call was sent, so the time elapsed is over-counted, never under. What this router cannot
+see is a refund or a withdrawn queued request at *another* router: an entry lives at most `ttl`
+seconds, so such a refund is seen at the next round trip, after at most that long.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class _Entry:
     tpm: int
     until: float
     replied_at: float   # when the refusal came back: admissions asked for after it came after it
+    lease_ms: float     # the pool's mean lease the script set aside from a deadline
 
 
 class BudgetMemo:
@@ -60,8 +63,9 @@ class BudgetMemo:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def refused(self, tenant: str, tpm: int, cost: int, retry_ms: int, asked_at: float) -> None:
-        """Redis refused a request of `cost` tokens with TOKEN_RATE_LIMITED and `retry_ms`."""
+    def refused(self, tenant: str, tpm: int, cost: int, retry_ms: int, asked_at: float, lease_ms: float = 0) -> None:
+        """Redis refused a request of `cost` tokens with TOKEN_RATE_LIMITED and `retry_ms`, setting
+        `lease_ms` aside from deadlines."""
         if self.ttl <= 0 or tpm <= 0 or retry_ms <= 0:
             return
         entries = self._entries
@@ -73,7 +77,7 @@ class BudgetMemo:
             while len(entries) >= self._max:
                 del entries[next(iter(entries))]
         entries[tenant] = _Entry(asked_at, retry_ms - 1 - cost * 60000 / tpm, tpm, asked_at + self.ttl,
-                                 self._clock())
+                                 self._clock(), max(0.0, lease_ms))
 
     def admitted(self, tenant: str, cost: int, asked_at: float) -> None:
         """Redis granted or queued a request of the tenant that this router asked for at `asked_at`:
@@ -89,9 +93,10 @@ class BudgetMemo:
         if entry is not None and tokens > 0:
             entry.debt_ms -= tokens * 60000 / entry.tpm
 
-    def wait_ms(self, tenant: str, tpm: int, least: int, limit_ms: float) -> int | None:
-        """The least wait (ms) Redis would give a request of at least `least` tokens, if that is
-        past `limit_ms` (so Redis would refuse it); None when it might fit, or nothing is known."""
+    def wait_ms(self, tenant: str, tpm: int, least: int, remaining_ms: float, max_wait_ms: float) -> int | None:
+        """The least wait (ms) Redis would give a request of at least `least` tokens with
+        `remaining_ms` to its deadline (0 = none), if that is past the wait the script allows it
+        (so Redis would refuse it); None when it might fit, or nothing is known."""
         entry = self._entries.get(tenant)
         if entry is None:
             return None
@@ -99,6 +104,9 @@ class BudgetMemo:
         if now >= entry.until or entry.tpm != tpm:     # expired, or the tenant's budget changed
             del self._entries[tenant]
             return None
+        limit_ms = max_wait_ms
+        if remaining_ms > 0:
+            limit_ms = min(max_wait_ms, max(1.0, remaining_ms - min(entry.lease_ms, remaining_ms / 2)))
         wait = entry.debt_ms - (now - entry.asked_at) * 1000 + least * 60000 / tpm
         if wait <= limit_ms:
             return None

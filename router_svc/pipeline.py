@@ -254,8 +254,12 @@ class Router:
         estimate = self.estimate.tokens(state.inp) if self.options.admit_while_tokenizing else None
         if estimate is None:
             return None, None
-        return estimate, asyncio.ensure_future(
-            self._enqueue(tenant, state, rctx, estimate + state.inp.sampling.max_tokens))
+        cost = estimate + state.inp.sampling.max_tokens
+        if self.ports.admission.predicts_refusal(self._admit_request(tenant, state, cost)):
+            # Its tenant's budget would refuse it on the estimate: decided once it is tokenized
+            # (`precheck` on the real count), without a round trip when it is refused then.
+            return None, None
+        return estimate, asyncio.ensure_future(self._enqueue(tenant, state, rctx, cost))
 
     async def _tokenized_and_admitted(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None],
                                       estimate: int | None, early: asyncio.Future[Admitting] | None,
@@ -278,12 +282,15 @@ class Router:
             await abandon_early(tokenizing, early, state)
             raise
         if early is None or estimate is None:
+            self.ports.admission.precheck(self._admit_request(tenant, state, state.cost))
             return await self._enqueue(tenant, state, rctx)
         try:
             return await early
         except TokenrelayError as exc:
-            # Refused on the estimate's token count, which was above the real one: ask with the real one.
+            # Refused on the estimate's token count, which was above the real one: ask with the real
+            # one, unless what the refusal told of the tenant's budget refuses that too.
             if exc.reason in BUDGET_REFUSALS and len(state.prompt_ids) < estimate:
+                self.ports.admission.precheck(self._admit_request(tenant, state, state.cost))
                 return await self._enqueue(tenant, state, rctx)
             raise
 

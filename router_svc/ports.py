@@ -203,6 +203,10 @@ class Admission(Protocol):
         (`request.cost`: the least it can cost, its prompt not tokenized yet); else nothing."""
         ...
 
+    def predicts_refusal(self, request: AdmitRequest) -> bool:
+        """Would `precheck` refuse `request` (its cost an estimate)? No I/O, nothing counted."""
+        ...
+
     async def admit(self, request: AdmitRequest) -> Admitting:
         """Enqueue: granted at once, queued, or refused (ResourceExhausted / Unavailable with a
         reason and a retry-after). Cancellation while admitting leaves nothing behind."""

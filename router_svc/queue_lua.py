@@ -515,7 +515,8 @@ end
 # per request 10 values: member, class, cost, deadline_ms (remaining; 0 = none), nonce,
 # max_in_flight, max_queued, tokens_per_minute, weight, max_wait_ms.
 # Reply: per request a triple {1, fence, 0} granted | {2, position, est_wait_ms} queued |
-# {0, reason, retry_after_ms} refused; then the grants (member, fence, why) of other requests.
+# {0, reason, retry_after_ms} refused (TOKEN_RATE_LIMITED as 'TOKEN_RATE_LIMITED/<mean lease ms it set
+# aside>'); then the grants (member, fence, why) of other requests.
 # An entry of the same id under another nonce is replaced: the router's id registry, which makes
 # ids unique per tenant across routers, let this one through, so the old one's router is gone.
 ENQUEUE = "#!lua\n" + PRELUDE + r"""
@@ -546,8 +547,9 @@ local function enqueue_one(A)
   -- set aside; none before 10 leases were seen, as for est_wait); granted later than that, it would
   -- run out of time mid-stream, its tokens wasted.
   local budget_limit = max_wait
+  local svc = 0
   if remaining > 0 then
-    local svc = math.max(mean_lease(), 0)
+    svc = math.max(mean_lease(), 0)
     budget_limit = math.min(max_wait, math.max(1, remaining - math.min(svc, remaining / 2)))
   end
   local rate_new = 0
@@ -555,7 +557,9 @@ local function enqueue_one(A)
     if cost > tpm then return {0, 'TOKEN_BUDGET_TOO_SMALL', 0} end
     local queued_cost = tonumber(redis.call('HGET', P .. 'qcost', T) or '0')
     local wait = rate_wait(T, tpm, cost + math.max(queued_cost, 0))
-    if wait > budget_limit then return {0, 'TOKEN_RATE_LIMITED', math.ceil(wait)} end
+    -- with the mean lease it set aside, so that the router can tell which of the tenant's next
+    -- requests would be refused the same way (router_svc/budget_memo.py)
+    if wait > budget_limit then return {0, 'TOKEN_RATE_LIMITED/' .. math.floor(svc), math.ceil(wait)} end
     if queued_cost <= 0 then
       local now_wait, new = rate_wait(T, tpm, cost)
       if now_wait == 0 then rate_new = new end

@@ -221,12 +221,16 @@ class FakeAdmission:
         self.refuse: TokenrelayError | None = None
         self.requests: list[AdmitRequest] = []
         self.prechecked: list[AdmitRequest] = []
-        self.known_refusal: TokenrelayError | None = None   # what precheck raises
+        self.known_refusal: TokenrelayError | None = None   # what precheck raises...
+        self.refused_from = 0                                # ...for requests of this cost or more
 
     def precheck(self, request: AdmitRequest) -> None:
         self.prechecked.append(request)
-        if self.known_refusal is not None:
+        if self.known_refusal is not None and request.cost >= self.refused_from:
             raise self.known_refusal
+
+    def predicts_refusal(self, request: AdmitRequest) -> bool:
+        return self.known_refusal is not None and request.cost >= self.refused_from
 
     async def admit(self, request: AdmitRequest) -> FakeAdmitting:
         self.requests.append(request)
