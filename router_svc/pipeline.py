@@ -193,11 +193,17 @@ class Router:
         # so a duplicate's never touches the first's.
         # The early admission first: its ENQUEUE is on its way before an encode in this process
         # (router_svc/local_tokenize.py) holds the loop.
-        estimate, early = self._early(tenant, state, rctx)
+        estimate, early, refused_on_estimate = self._early(tenant, state, rctx)
         tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
         if inp.session_id:   # the session's replica, fetched meanwhile (placement reads it), after those
             state.sticky = asyncio.ensure_future(self.ports.affinity.get(tenant.name, inp.session_id))
             state.sticky.add_done_callback(retrieve)   # the request may end before placement reads it
+        if refused_on_estimate:
+            # Its tenant's budget refuses it on its estimate: decided on its real count first, and
+            # refused then without the id claim's round trip (a duplicate of its id that arrives
+            # meanwhile may claim the id first; one of the two is refused either way).
+            await self._tokenized(tenant, state, tokenizing)
+            self.ports.admission.precheck(self._admit_request(tenant, state, state.cost))
         try:
             claimed = await registry.claim(tenant.name, state.request_id)
         except BaseException:
@@ -248,18 +254,27 @@ class Router:
             yield done
 
     def _early(self, tenant: Tenant, state: RequestState,
-               rctx: Context) -> tuple[int | None, asyncio.Future[Admitting] | None]:
+               rctx: Context) -> tuple[int | None, asyncio.Future[Admitting] | None, bool]:
         """The estimated prompt tokens and the admission started on them, with
-        `admit_while_tokenizing` and an estimate (`PromptEstimate`; none for token-id input)."""
+        `admit_while_tokenizing` and an estimate (`PromptEstimate`; none for token-id input); and
+        whether admission already knows its tenant's budget would refuse it on that estimate (then
+        it is decided on its real count, `precheck`, without being sent meanwhile)."""
         estimate = self.estimate.tokens(state.inp) if self.options.admit_while_tokenizing else None
         if estimate is None:
-            return None, None
+            return None, None, False
         cost = estimate + state.inp.sampling.max_tokens
         if self.ports.admission.predicts_refusal(self._admit_request(tenant, state, cost)):
-            # Its tenant's budget would refuse it on the estimate: decided once it is tokenized
-            # (`precheck` on the real count), without a round trip when it is refused then.
-            return None, None
-        return estimate, asyncio.ensure_future(self._enqueue(tenant, state, rctx, cost))
+            return None, None, True
+        return estimate, asyncio.ensure_future(self._enqueue(tenant, state, rctx, cost)), False
+
+    async def _tokenized(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None]) -> None:
+        """The prompt tokenized and its lengths checked (the Tokenize stopped on every way out)."""
+        try:
+            await tokenizing
+            check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
+        except BaseException:
+            await discard(tokenizing)
+            raise
 
     async def _tokenized_and_admitted(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None],
                                       estimate: int | None, early: asyncio.Future[Admitting] | None,

@@ -10,7 +10,7 @@ import pytest
 
 from router_svc.admission import Admission
 from router_svc.budget_memo import BudgetMemo
-from router_svc.types import GenerateInput, Sampling
+from router_svc.types import Done, GenerateInput, Sampling
 from services.errors import Reason, ResourceExhausted, TokenrelayError
 from tests.router.admission_kit import admission, req, settings
 from tests.router.core_fakes import TENANT, core
@@ -206,6 +206,13 @@ async def test_a_request_the_budget_refuses_on_its_estimate_is_decided_on_its_re
         async for _ in c.router.generate(TENANT, warm):
             pass
     asked = len(c.admission.requests)
+    claims: list[str] = []
+    real_claim = c.router.ports.registry.claim
+
+    async def claim(tenant: str, request_id: str) -> bool:
+        claims.append(request_id)
+        return await real_claim(tenant, request_id)
+    c.router.ports.registry.claim = claim        # type: ignore[method-assign]
     # Its least cost (1 + 7) passes; its estimate (5 + 7) and its real count (5 + 7) do not.
     c.admission.known_refusal = Reason.TOKEN_RATE_LIMITED.error("over its budget", retry_after=2.0)
     c.admission.refused_from = 9
@@ -214,8 +221,19 @@ async def test_a_request_the_budget_refuses_on_its_estimate_is_decided_on_its_re
             pass
     assert e.value.reason == "TOKEN_RATE_LIMITED"
     assert len(c.admission.requests) == asked          # no early admission, no admission after Tokenize
+    assert claims == []                                # and no id claim: decided on the real count first
     assert c.tokenizer.calls == 17 and [r.cost for r in c.admission.prechecked[-2:]] == [8, 12]
     # One that fits is admitted as before, while it is tokenized.
     c.admission.refused_from = 100
     events = [ev async for ev in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=7), prompt="hello"))]
-    assert events and len(c.admission.requests) == asked + 1
+    assert events and len(c.admission.requests) == asked + 1 and len(claims) == 1
+    # One refused on its estimate (5 + 7) whose real count (2 + 7) fits: claimed and admitted after Tokenize.
+    c.admission.refused_from = 11
+    real_tokenize = c.tokenizer.tokenize
+
+    async def two(**kw: object) -> list[int]:
+        return (await real_tokenize(**kw))[:2]          # type: ignore[arg-type]
+    c.tokenizer.tokenize = two                          # type: ignore[method-assign]
+    events = [ev async for ev in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=7), prompt="hello"))]
+    assert isinstance(events[-1], Done) and len(claims) == 2
+    assert [r.cost for r in c.admission.requests[asked + 1:]] == [9]     # asked once, on its real count
