@@ -13,7 +13,7 @@ from router_svc.budget_memo import BudgetMemo
 from router_svc.types import Done, GenerateInput, Sampling
 from services.errors import Reason, ResourceExhausted, TokenrelayError
 from tests.router.admission_kit import admission, req, settings
-from tests.router.core_fakes import TENANT, core
+from tests.router.core_fakes import TENANT, Core, core
 
 TPM = 6000          # 100 tokens per second: 10 ms of refill per token
 
@@ -176,9 +176,8 @@ def test_a_request_larger_than_the_whole_budget_is_refused_without_redis() -> No
 
 
 # ------------------------------------------------------------------------------ in the request path
-async def test_a_known_refusal_ends_the_request_before_its_id_claim_and_its_tokenize() -> None:
-    c = core()
-    c.admission.known_refusal = Reason.TOKEN_RATE_LIMITED.error("over its budget", retry_after=2.0)
+def _record_claims(c: Core) -> list[str]:
+    """The ids the router claims from here on, in order."""
     claims: list[str] = []
     real_claim = c.router.ports.registry.claim
 
@@ -186,6 +185,13 @@ async def test_a_known_refusal_ends_the_request_before_its_id_claim_and_its_toke
         claims.append(request_id)
         return await real_claim(tenant, request_id)
     c.router.ports.registry.claim = claim        # type: ignore[method-assign]
+    return claims
+
+
+async def test_a_known_refusal_ends_the_request_before_its_id_claim_and_its_tokenize() -> None:
+    c = core()
+    c.admission.known_refusal = Reason.TOKEN_RATE_LIMITED.error("over its budget", retry_after=2.0)
+    claims = _record_claims(c)
     with pytest.raises(TokenrelayError) as e:
         async for _ in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=7), prompt="hello", request_id="a")):
             pass
@@ -206,13 +212,7 @@ async def test_a_request_the_budget_refuses_on_its_estimate_is_decided_on_its_re
         async for _ in c.router.generate(TENANT, warm):
             pass
     asked = len(c.admission.requests)
-    claims: list[str] = []
-    real_claim = c.router.ports.registry.claim
-
-    async def claim(tenant: str, request_id: str) -> bool:
-        claims.append(request_id)
-        return await real_claim(tenant, request_id)
-    c.router.ports.registry.claim = claim        # type: ignore[method-assign]
+    claims = _record_claims(c)
     # Its least cost (1 + 7) passes; its estimate (5 + 7) and its real count (5 + 7) do not.
     c.admission.known_refusal = Reason.TOKEN_RATE_LIMITED.error("over its budget", retry_after=2.0)
     c.admission.refused_from = 9
