@@ -17,6 +17,7 @@ This module imports no gRPC and no adapter: `app.py` wires the ports (`ports.py`
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -107,6 +108,7 @@ class Router:
         self.stage = EngineStage(ports.engines, ports.placement, ports.affinity, o.engine_attempts,
                                  o.progress_timeout, o.engine_migrations, ports.pools, ports.shadow)
         self._live: dict[tuple[str, str], RequestState] = {}
+        self._unclaiming: set[asyncio.Future[None]] = set()     # claims given back after a refusal
         self.estimate = PromptEstimate()
 
     @property
@@ -205,7 +207,7 @@ class Router:
             await self._tokenized(tenant, state, tokenizing)
             self.ports.admission.precheck(self._admit_request(tenant, state, state.cost))
         try:
-            claimed = await registry.claim(tenant.name, state.request_id)
+            claimed = await self._claimed(tenant, state, tokenizing, early)
         except BaseException:
             await abandon_early(tokenizing, early, state)
             raise
@@ -252,6 +254,38 @@ class Router:
         # may reuse the id, or send its next request within its tenant's limit, at once.
         if done is not None:
             yield done
+
+    async def _claimed(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None],
+                       early: asyncio.Future[Admitting] | None) -> bool:
+        """The request id's claim (a Redis round trip with several routers). An early admission
+        refused for a reason its token count cannot change (a full queue, a concurrency limit) is
+        the answer as soon as it comes back, without waiting for the claim: the claim, when it
+        lands, is given back."""
+        registry = self.ports.registry
+        claiming = asyncio.ensure_future(registry.claim(tenant.name, state.request_id))
+        if early is not None and not claiming.done():
+            try:
+                await asyncio.wait((claiming, early), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                claiming.cancel()
+                raise
+            if not claiming.done() and early.done() and final_refusal(early):
+                claiming.add_done_callback(functools.partial(self._unclaim, tenant.name, state.request_id))
+                await discard(tokenizing)
+                early.result()          # raises the refusal
+        try:
+            return await claiming
+        except asyncio.CancelledError:
+            claiming.cancel()
+            raise
+
+    def _unclaim(self, tenant: str, request_id: str, claiming: asyncio.Future[bool]) -> None:
+        """A claim that landed after its request was refused: given back."""
+        if not claiming.cancelled() and claiming.exception() is None and claiming.result():
+            release = asyncio.ensure_future(self.ports.registry.release(tenant, request_id, wait=False))
+            self._unclaiming.add(release)
+            release.add_done_callback(self._unclaiming.discard)
+            release.add_done_callback(retrieve)
 
     def _early(self, tenant: Tenant, state: RequestState,
                rctx: Context) -> tuple[int | None, asyncio.Future[Admitting] | None, bool]:

@@ -266,3 +266,21 @@ async def test_a_sessions_replica_is_asked_for_while_the_prompt_is_tokenized() -
     events = await asyncio.wait_for(run, 5)
     assert isinstance(events[-1], Done) and len(asked) == 2   # placement asked no second time
     assert len(home.submitted) == 2                            # and the session stuck to its replica
+
+
+async def test_a_full_queue_is_the_answer_before_the_id_claim_lands_and_the_claim_is_given_back() -> None:
+    c = core()
+    await _warm(c)
+    slow = _SlowClaims()
+    c.router.ports.registry = slow
+    slow.gate.clear()
+    c.admission.refuse = Reason.TENANT_QUEUE_FULL.error("queue full", retry_after=0.1)
+    with pytest.raises(TokenrelayError) as e:
+        await asyncio.wait_for(_drain(c.router.generate(TENANT, _inp(request_id="q"))), 5)
+    assert e.value.reason == "TENANT_QUEUE_FULL" and not slow.gate.is_set()   # answered, the claim in flight
+    assert slow.pairs() == [(TENANT.name, "q")]
+    slow.gate.set()                                      # the claim lands: given back
+    await poll(lambda: len(slow) == 0, timeout=5, what="the late claim to be released")
+    c.admission.refuse = None
+    events = await _drain(c.router.generate(TENANT, _inp(request_id="q")))    # the id is free again
+    assert isinstance(events[-1], Done) and len(slow) == 0
