@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PATH=$ROOT/.r4dev:$PATH LD_LIBRARY_PATH=$ROOT/.r4dev PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$ROOT
 W=/tmp/o; mkdir -p $W; t0=$(date +%s)
 for r in 1 2; do
-  for mode in memo off local; do
+  for mode in ${MODES:-memo off local}; do
     X=""; [ $mode = off ] && X="--router-arg=--budget-memo-ms=0"
     [ $mode = local ] && X="--router-arg=--detokenize=local --router-arg=--tokenize-local-bytes=16384"
     timeout 80 python3 bench/bench_fairness.py --scenario d --routers 2 --clients 4 --cpu-list 0-15 --seconds 6 $X \
