@@ -241,6 +241,8 @@ class RedisCluster:
 class RedisRequestRegistry:
     """`ports.RequestRegistry` across router processes (see the module docstring)."""
 
+    remote = True       # a claim is a Redis round trip
+
     def __init__(self, cluster: RedisCluster, ttl: float, cancel_timeout: float) -> None:
         self._c = cluster
         self.ttl = ttl

@@ -262,8 +262,10 @@ class Router:
         the answer as soon as it comes back, without waiting for the claim: the claim, when it
         lands, is given back."""
         registry = self.ports.registry
+        if early is None or not registry.remote:    # nothing to race: no task, no loop turn
+            return await registry.claim(tenant.name, state.request_id)
         claiming = asyncio.ensure_future(registry.claim(tenant.name, state.request_id))
-        if early is not None and not claiming.done():
+        if not claiming.done():
             try:
                 await asyncio.wait((claiming, early), return_when=asyncio.FIRST_COMPLETED)
             except BaseException:

@@ -216,7 +216,10 @@ class Admission(Protocol):
 # --------------------------------------------------------------------------------- registry, sessions
 class RequestRegistry(Protocol):
     """Request ids in flight, scoped by tenant: (tenant, id) pairs are independent across tenants,
-    and no tenant can observe, block or cancel another's ids. `claim` is atomic."""
+    and no tenant can observe, block or cancel another's ids. `claim` is atomic. `remote`: a claim
+    is a round trip (Redis) rather than answered in this process."""
+
+    remote: bool
 
     async def claim(self, tenant: str, request_id: str) -> bool:
         """True if the id was free for this tenant (it is now held); False if in flight."""

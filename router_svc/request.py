@@ -130,6 +130,8 @@ class LocalRequestRegistry:
     Atomic by construction (one event loop, no await between test and set). Tenants never see
     each other's ids: the key is the pair."""
 
+    remote = False      # claims are answered here, at once
+
     def __init__(self) -> None:
         self._held: dict[tuple[str, str], list[Callable[[], None]]] = {}
 

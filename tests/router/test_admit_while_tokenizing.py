@@ -207,6 +207,8 @@ async def test_a_budget_refusal_on_the_estimate_still_waits_for_the_real_count()
 class _SlowClaims(LocalRequestRegistry):
     """A registry whose claim is a round trip (as Redis's is with several routers)."""
 
+    remote = True
+
     def __init__(self) -> None:
         super().__init__()
         self.gate = asyncio.Event()
