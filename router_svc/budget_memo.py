@@ -17,11 +17,10 @@ that left); it rises with every request admitted. So for a later request whose c
 
     wait >= debt_then - (now - asked_at) + admitted_here - refunds_seen_here + least * 60000 / tpm
 
+and when that lower bound is past the request's own limit, Redis would refuse it too.
 `admitted_here` counts only requests this router sent after the refusal came back (Redis ran them
 after it, so they are not in `debt_then`); every refund seen here is taken off, even one of a
-request whose cost `debt_then` may not hold: the bound only gets lower.
-
-and when that lower bound is past the request's own limit, Redis would refuse it too. The limit is
+request whose cost `debt_then` may not hold: the bound only gets lower. The limit is
 the script's: min(max_queue_wait, its remaining time less min(mean lease, half of it)), with the
 pool's mean lease the refusal reported (an average over many leases, which moves little within a
 memo's life), and the request's remaining time now (the script would see less). `asked_at` is taken

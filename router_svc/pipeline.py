@@ -203,7 +203,8 @@ class Router:
         if refused_on_estimate:
             # Its tenant's budget refuses it on its estimate: decided on its real count first, and
             # refused then without the id claim's round trip (a duplicate of its id that arrives
-            # meanwhile may claim the id first; one of the two is refused either way).
+            # meanwhile may claim the id first, one of the two is refused either way; a Cancel
+            # RPC meanwhile finds no such request, as one sent before the request arrived).
             await self._tokenized(tenant, state, tokenizing)
             self.ports.admission.precheck(self._admit_request(tenant, state, state.cost))
         try:
