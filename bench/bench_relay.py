@@ -20,6 +20,10 @@ a machine with few cores leave them out: nothing is pinned and the figures are n
 or ``--tokenizers N`` above 1 each engine / tokenizer takes one CPU of its list, round robin; a single one
 takes the whole list, as before.
 
+``--probe-cpu N`` runs a fixed pure-Python loop on CPU N (left free) during each measured window and
+prints its work per CPU-second beside the row: on a shared (virtual) host a CPU-second is not a fixed
+amount of work, and the probe shows how fast the host's cores ran in that window.
+
     python bench/bench_relay.py --streams 64 256 1024 --duration 10 --json-out relay.json
 """
 
@@ -394,8 +398,21 @@ def load_plan(load: Load, clients: int) -> list[list[tuple[str, int]]]:
             for pairs in spread(load.streams, clients, len(load.addresses))]
 
 
+def _probe(cpu: int | None, stop: Any, out: Any) -> None:
+    """A fixed pure-Python workload on a CPU of its own for the measured window: how much Python work
+    a CPU-second of this host does right now (a KVM guest's cores slow down with its neighbours)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    ops, t0 = 0, time.thread_time()
+    while not stop.is_set():
+        for _ in range(100):
+            sum(range(1000))
+        ops += 100
+    out.put(ops / max(1e-9, time.thread_time() - t0))
+
+
 def run_load(load: Load, clients: int, client_cpus: list[int], cpu_pids: list[int],
-             engine_metrics: list[str] | None = None) -> dict[str, Any]:
+             engine_metrics: list[str] | None = None, probe_cpu: int | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     engine_metrics = list(engine_metrics or [])
@@ -412,8 +429,17 @@ def run_load(load: Load, clients: int, client_cpus: list[int], cpu_pids: list[in
     # Sample the router's CPU over the same window the clients measure.
     time.sleep(max(0.0, load.t0 + load.warmup - time.time()))
     c0, w0, es0 = cpu(), time.monotonic(), engines_e2e(engine_metrics)
+    probe, probe_out, probe_stop = None, ctx.Queue(), ctx.Event()
+    if probe_cpu is not None:
+        probe = ctx.Process(target=_probe, args=(probe_cpu, probe_stop, probe_out), daemon=True)
+        probe.start()
     time.sleep(max(0.0, load.t0 + load.warmup + load.duration - time.time()))
     c1, w1, es1 = cpu(), time.monotonic(), engines_e2e(engine_metrics)
+    probe_rate = float("nan")
+    if probe is not None:
+        probe_stop.set()
+        probe_rate = probe_out.get(timeout=30)
+        probe.join(10)
     e0 = (sum(e[0] for e in es0), sum(e[1] for e in es0))
     e1 = (sum(e[0] for e in es1), sum(e[1] for e in es1))
     collected = [results.get(timeout=load.duration + 120) for _ in workers]
@@ -440,7 +466,8 @@ def run_load(load: Load, clients: int, client_cpus: list[int], cpu_pids: list[in
             "ttft_p50_ms": _percentile(ttft, 50) * 1000, "ttft_p99_ms": _percentile(ttft, 99) * 1000,
             "cpu_seconds": cpu_s, "cpu_utilisation": cpu_s / (w1 - w0),
             "tokens_per_cpu_s": tokens / cpu_s if cpu_s else 0.0,
-            "messages_per_cpu_s": messages / cpu_s if cpu_s else 0.0}
+            "messages_per_cpu_s": messages / cpu_s if cpu_s else 0.0,
+            "probe_kops_per_cpu_s": probe_rate / 1000}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -459,7 +486,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 pids = mesh.router_pids if target == "mesh" else mesh.engine_pids
                 load = Load(target, addresses, streams, args.max_tokens, args.prompt, args.warmup, args.duration,
                             time.time() + 1.5)
-                row = run_load(load, args.clients, client_cpus, pids, mesh.engine_metrics)
+                row = run_load(load, args.clients, client_cpus, pids, mesh.engine_metrics,
+                               probe_cpu=args.probe_cpu if args.probe_cpu >= 0 else None)
                 row["cpu_of"] = "routers" if target == "mesh" else ("engine" if args.engines == 1 else "engines")
                 row.update(routers=args.routers, engines=args.engines, tokenizers=args.tokenizers)
                 rows.append(row)
@@ -485,6 +513,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def _line(r: dict[str, Any]) -> str:
+    probe = r.get("probe_kops_per_cpu_s", float("nan"))
     return (f"{r['target']:>6} {r['streams']:>5} streams ({r['engines']} eng, {r['tokenizers']} tok): "
             f"{r['tokens_per_s']:>9,.0f} tok/s "
             f"{r['messages_per_s']:>8,.0f} msg/s {r['tokens_per_message']:5.2f} tok/msg  {r['cpu_of']} "
@@ -492,7 +521,7 @@ def _line(r: dict[str, Any]) -> str:
             f"{r['tokens_per_cpu_s']:>9,.0f} tok/CPU-s "
             f"{r['messages_per_cpu_s']:>8,.0f} msg/CPU-s  TTFT p50 {r['ttft_p50_ms']:.1f} p99 {r['ttft_p99_ms']:.1f} ms"
             f"  engine e2e {r['engine_e2e_mean_ms']:.0f} ms  {r['requests']} req {r['errors']} err "
-            f"{r['last_error'][:120]}")
+            f"{r['last_error'][:120]}" + (f" probe {probe:.0f} kops/CPU-s" if probe == probe else ""))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -534,6 +563,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                           "(default: not pinned)")
     p.add_argument("--engine-arg", action="append", default=[], help="extra engine_svc flag (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], help="extra router_svc flag (repeatable)")
+    p.add_argument("--probe-cpu", type=int, default=-1, help="a CPU left free for a probe: a fixed pure-Python "
+                   "loop over the measured window, its work per CPU-second beside each row (how fast this "
+                   "host's cores run right now); -1 = none")
     p.add_argument("--json-out", default="", help="write the rows as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = p.parse_args(argv)
