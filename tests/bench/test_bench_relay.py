@@ -70,3 +70,15 @@ def test_a_two_engine_run_spreads_the_baseline(tmp_path: pathlib.Path) -> None:
     assert abs(sum(engines["tokens_per_s_by_address"].values()) - engines["tokens_per_s"]) < 1e-6
     assert len(mesh["engine_finished_by_engine"]) == 2 and sum(mesh["engine_finished_by_engine"]) > 0
     assert 0 < mesh["ratio_to_engine"] < 2
+
+
+def test_the_probe_reports_its_work_per_cpu_second() -> None:
+    import multiprocessing as mp
+    import threading
+
+    ctx = mp.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    threading.Timer(0.3, stop.set).start()
+    bench_relay._probe(None, stop, out)        # in this process, on no CPU in particular
+    rate = out.get(timeout=5)
+    assert 1_000 < rate < 1e9                  # iterations of its fixed loop per CPU-second
