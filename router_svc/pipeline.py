@@ -266,16 +266,15 @@ class Router:
         if early is None or not registry.remote:    # nothing to race: no task, no loop turn
             return await registry.claim(tenant.name, state.request_id)
         claiming = asyncio.ensure_future(registry.claim(tenant.name, state.request_id))
-        if not claiming.done():
-            try:
-                await asyncio.wait((claiming, early), return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:
-                claiming.cancel()
-                raise
-            if not claiming.done() and early.done() and final_refusal(early):
-                claiming.add_done_callback(functools.partial(self._unclaim, tenant.name, state.request_id))
-                await discard(tokenizing)
-                early.result()          # raises the refusal
+        try:
+            await asyncio.wait((claiming, early), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            claiming.cancel()
+            raise
+        if not claiming.done() and early.done() and final_refusal(early):
+            claiming.add_done_callback(functools.partial(self._unclaim, tenant.name, state.request_id))
+            await discard(tokenizing)
+            early.result()          # raises the refusal
         try:
             return await claiming
         except asyncio.CancelledError:
@@ -327,8 +326,7 @@ class Router:
                 if early.done() and not tokenizing.done() and final_refusal(early):
                     await discard(tokenizing)
                     early.result()          # raises the refusal
-            await tokenizing
-            check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
+            await self._tokenized(tenant, state, tokenizing)
         except BaseException:
             # Also when cut off in `asyncio.wait`, which leaves the Tokenize task running.
             await abandon_early(tokenizing, early, state)
