@@ -20,6 +20,15 @@ a machine with few cores leave them out: nothing is pinned and the figures are n
 or ``--tokenizers N`` above 1 each engine / tokenizer takes one CPU of its list, round robin; a single one
 takes the whole list, as before.
 
+``--targets bare`` adds a baseline measured in the same run on the router's CPU: a bare grpc.aio
+server of the real ``Inference.Generate`` (``bench/bare_inference.py``) that writes one-token deltas,
+one asyncio wake-up each, paced by a ticker (``--bare-step-ms``; 0, the default, runs it flat out, as
+saturated as a router that one-token deltas keep busy); the same clients drive it. Each mesh
+row then shows its client messages per CPU-second as a ratio of the bare server's (``mesh/bare``):
+what the router costs per message over the floor of grpc.aio on the same core, in the same minute.
+It is the figure to read with ``--step-ms 10 --router-arg=--engine-wake-delay=0`` (one token per
+message, like the bare server's).
+
 ``--probe-cpu N`` runs a fixed pure-Python loop on CPU N (left free) during each measured window and
 prints its work per CPU-second beside the row: on a shared (virtual) host a CPU-second is not a fixed
 amount of work, and the probe shows how fast the host's cores ran in that window.
@@ -164,6 +173,8 @@ class Mesh:
     engine_pids: list[int]
     engine_metrics: list[str] = field(default_factory=list)
     tokenizers: list[str] = field(default_factory=list)
+    bare: str = ""          # the bare grpc.aio baseline (--targets bare), its address and pid
+    bare_pid: int = 0
 
 
 def engine_e2e(url: str) -> tuple[float, float]:
@@ -228,16 +239,23 @@ def start_mesh(args: argparse.Namespace, procs: Procs) -> Mesh:
         *args.router_arg], [router_cpus[i % len(router_cpus)]] if router_cpus else [])
         for i in range(args.routers)]
     routers = [procs.wait_port(f"router{i}", p) for i, p in enumerate(ports)]
+    bare, bare_pid = "", 0
+    if "bare" in args.targets:   # on the router's CPU: the same core's floor
+        bare_port = procs.work / "bare.port"
+        procs.spawn("bare", [sys.executable, str(pathlib.Path(__file__).resolve().parent / "bare_inference.py"),
+                             "--port-file", str(bare_port), "--step-ms", str(args.bare_step_ms)],
+                    router_cpus[:1])
+        bare, bare_pid = procs.wait_port("bare", bare_port), procs.procs["bare"].pid
     metrics = [f"http://127.0.0.1:{(procs.work / f'{name}.metrics-port').read_text().strip()}/metrics"
                for name in eng_names]
     return Mesh(routers, [procs.procs[f"router{i}"].pid for i in range(args.routers)], engs,
-                [procs.procs[name].pid for name in eng_names], metrics, toks)
+                [procs.procs[name].pid for name in eng_names], metrics, toks, bare, bare_pid)
 
 
 # ------------------------------------------------------------------------------------ load
 @dataclass
 class Load:
-    target: str          # "mesh" | "engine"
+    target: str          # "mesh" | "engine" | "bare"
     addresses: list[str]
     streams: int
     max_tokens: int
@@ -245,6 +263,7 @@ class Load:
     warmup: float
     duration: float
     t0: float            # wall clock (time.time()) at which every process starts sending
+    min_delta_tokens: int = 0   # the mesh's clients ask for coarser deltas (service-to-service callers)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -262,8 +281,9 @@ async def _drive_mesh(load: Load, address: str, streams: int, stats: dict[str, A
     channel = open_channel(address, PLAINTEXT)
     stub = inference_pb2_grpc.InferenceStub(channel)
     metadata = (("authorization", f"Bearer {API_KEY}"),)
-    request = inference_pb2.GenerateRequest(prompt=load.prompt, sampling=common_pb2.SamplingParams(
-        max_tokens=load.max_tokens, ignore_eos=True))
+    request = inference_pb2.GenerateRequest(prompt=load.prompt, min_delta_tokens=load.min_delta_tokens,
+                                            sampling=common_pb2.SamplingParams(max_tokens=load.max_tokens,
+                                                                               ignore_eos=True))
     begin, end = stats["begin"], stats["end"]
 
     async def one_stream() -> None:
@@ -377,7 +397,7 @@ def _client(load: Load, plan: list[tuple[str, int]], cpus: list[int], results: A
     stats: dict[str, Any] = {"begin": now + load.warmup, "end": now + load.warmup + load.duration, "ttft": [],
                              "messages": 0, "tokens": 0, "chunks": 0, "requests": 0, "errors": 0, "last_error": "",
                              "by_address": {}}
-    drive = _drive_mesh if load.target == "mesh" else _drive_engine
+    drive = _drive_engine if load.target == "engine" else _drive_mesh   # the bare server: the mesh's client
 
     async def drive_all() -> None:
         await asyncio.gather(*(drive(load, address, n, stats) for address, n in plan))
@@ -391,7 +411,7 @@ def load_plan(load: Load, clients: int) -> list[list[tuple[str, int]]]:
     robin. The engines alone: the streams spread evenly over the engines (see ``spread``); with one
     engine, each process's whole share at it, as before."""
     clients = max(1, min(clients, load.streams))
-    if load.target == "mesh":
+    if load.target != "engine":
         shares = [load.streams // clients + (1 if i < load.streams % clients else 0) for i in range(clients)]
         return [[(load.addresses[i % len(load.addresses)], n)] for i, n in enumerate(shares)]
     return [[(load.addresses[t], n) for t, n in pairs]
@@ -482,13 +502,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         client_cpus = cpu_list(args.client_cpus)
         for streams in args.streams:
             for target in args.targets:
-                addresses = mesh.routers if target == "mesh" else mesh.engines
-                pids = mesh.router_pids if target == "mesh" else mesh.engine_pids
+                addresses, pids = {"mesh": (mesh.routers, mesh.router_pids), "engine": (mesh.engines, mesh.engine_pids),
+                                   "bare": ([mesh.bare], [mesh.bare_pid])}[target]
                 load = Load(target, addresses, streams, args.max_tokens, args.prompt, args.warmup, args.duration,
-                            time.time() + 1.5)
+                            time.time() + 1.5, args.min_delta_tokens if target == "mesh" else 0)
                 row = run_load(load, args.clients, client_cpus, pids, mesh.engine_metrics,
                                probe_cpu=args.probe_cpu if args.probe_cpu >= 0 else None)
-                row["cpu_of"] = "routers" if target == "mesh" else ("engine" if args.engines == 1 else "engines")
+                row["cpu_of"] = {"mesh": "routers", "bare": "bare server"}.get(
+                    target, "engine" if args.engines == 1 else "engines")
                 row.update(routers=args.routers, engines=args.engines, tokenizers=args.tokenizers)
                 rows.append(row)
                 print(_line(row), file=sys.stderr, flush=True)
@@ -501,6 +522,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         engine_row = next((r for r in rows if r["streams"] == streams and r["target"] == "engine"), None)
         if mesh_row and engine_row and engine_row["tokens_per_s"]:
             mesh_row["ratio_to_engine"] = mesh_row["tokens_per_s"] / engine_row["tokens_per_s"]
+        bare_row = next((r for r in rows if r["streams"] == streams and r["target"] == "bare"), None)
+        if mesh_row and bare_row and bare_row["messages_per_cpu_s"]:
+            mesh_row["ratio_to_bare"] = mesh_row["messages_per_cpu_s"] / bare_row["messages_per_cpu_s"]
     return rows
 
 
@@ -528,28 +552,35 @@ def table(rows: list[dict[str, Any]]) -> str:
     out = [f"routers {rows[0]['routers']}, engines {rows[0]['engines']}, tokenizers {rows[0]['tokenizers']} "
            "(engine rows: the same load spread over the engines alone, tokens/s summed)\n"] if rows else []
     out += ["| streams | target | tok/s | msg/s | tok/msg | CPU-s (of) | tok per CPU-s | msg per CPU-s | "
-           "TTFT p50 / p99 ms | mesh/engine | errors |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
-           "---: | ---: | ---: |"]
+           "TTFT p50 / p99 ms | mesh/engine | mesh/bare msg per CPU-s | errors |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         ratio = f"{r['ratio_to_engine']:.2f}" if "ratio_to_engine" in r else ""
+        bare = f"{r['ratio_to_bare']:.2f}" if "ratio_to_bare" in r else ""
         out.append(f"| {r['streams']} | {r['target']} | {r['tokens_per_s']:,.0f} | {r['messages_per_s']:,.0f} | "
                    f"{r['tokens_per_message']:.2f} | {r['cpu_seconds']:.2f} ({r['cpu_of']}) | "
                    f"{r['tokens_per_cpu_s']:,.0f} | {r['messages_per_cpu_s']:,.0f} | "
-                   f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {ratio} | {r['errors']} |")
+                   f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {ratio} | {bare} | {r['errors']} |")
     return "\n".join(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, nargs="+", default=[64, 256, 1024], help="concurrent streams per run")
-    p.add_argument("--targets", nargs="+", choices=["mesh", "engine"], default=["mesh", "engine"],
-                   help="what each stream count is driven at (engine = the engine alone, the baseline)")
+    p.add_argument("--targets", nargs="+", choices=["mesh", "engine", "bare"], default=["mesh", "engine"],
+                   help="what each stream count is driven at (engine = the engine alone, the baseline; bare = a "
+                   "bare grpc.aio Generate server on the router's CPU writing one-token deltas, the floor)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (ignore_eos)")
     p.add_argument("--prompt", default="Relay benchmark prompt: " + "x" * 40, help="the prompt of every request")
+    p.add_argument("--min-delta-tokens", type=int, default=0, help="the mesh's clients ask for deltas of at least "
+                   "this many tokens (GenerateRequest.min_delta_tokens: a service-to-service caller); 0 = every "
+                   "delta as soon as it is ready")
     p.add_argument("--step-ms", type=float, default=1.0, help="the sim's decode step (ms)")
     p.add_argument("--per-seq-us", type=float, default=0.0, help="the sim's extra step time per running request (µs)")
+    p.add_argument("--bare-step-ms", type=float, default=0.0, help="--targets bare: its ticker's period (ms); 0 = "
+                   "every turn of its event loop, flat out (saturated, as a router busy with one-token deltas)")
     p.add_argument("--calibrated", action="store_true", help="the sim's defaults instead of fast steps: one H200 "
                    "running Llama 3.1 8B FP8 (batch 256, 2.5 ms + 8 µs/seq steps, 18 µs/prompt token)")
     p.add_argument("--routers", type=int, default=1, help="router processes (clients spread over them)")

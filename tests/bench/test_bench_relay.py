@@ -34,6 +34,26 @@ def test_a_small_run_reports_mesh_and_engine_alone(tmp_path: pathlib.Path) -> No
     assert mesh["cpu_of"] == "routers" and 0 < mesh["ratio_to_engine"] < 2
 
 
+def test_the_bare_baseline_and_coarse_deltas(tmp_path: pathlib.Path) -> None:
+    """`--targets bare`: a bare grpc.aio Generate server on the router's CPU, driven by the same clients,
+    one token per message; the mesh row carries its messages per CPU-second as a ratio of the bare one's.
+    `--min-delta-tokens 4`: the mesh's deltas after the first carry at least 4 tokens (more when more
+    were ready), so a 32-token reply comes in at most 9 deltas; without the option, ~1 token each."""
+    out = tmp_path / "relay.json"
+    assert bench_relay.main(["--streams", "6", "--duration", "1.5", "--warmup", "0.5", "--clients", "2",
+                             "--max-tokens", "32", "--step-ms", "2", "--targets", "mesh", "bare",
+                             "--min-delta-tokens", "4", "--json-out", str(out)]) == 0
+    mesh, bare = json.loads(out.read_text())["rows"]
+    assert (mesh["target"], bare["target"], bare["cpu_of"]) == ("mesh", "bare", "bare server")
+    for row in (mesh, bare):
+        assert row["errors"] == 0 and row["requests"] > 0, row["last_error"]
+        assert row["cpu_seconds"] > 0 and row["messages_per_cpu_s"] > 0
+    assert bare["tokens_per_message"] == 1.0
+    assert mesh["tokens_per_message"] >= 32 / 9 * 0.9    # the window's edges cut some replies
+    assert mesh["ratio_to_bare"] == mesh["messages_per_cpu_s"] / bare["messages_per_cpu_s"]
+    assert "ratio_to_bare" not in bare
+
+
 def test_streams_spread_evenly_over_engines() -> None:
     # One engine: each load process's whole share at it, as before.
     assert bench_relay.spread(10, 3, 1) == [[(0, 4)], [(0, 3)], [(0, 3)]]
