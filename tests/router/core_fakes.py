@@ -23,11 +23,13 @@ class FakeTokenizer:
         self.meta = META
         self.gate: asyncio.Event | None = None   # when set: tokenize waits for it
         self.calls = 0
+        self.cache_keys: list[str] = []
 
     async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
                        timeout: float | None = None, cache_key: str = "",
                        allow_special_tokens: bool = False) -> list[int]:
         self.calls += 1
+        self.cache_keys.append(cache_key)
         if self.gate is not None:
             await self.gate.wait()
         source = text if text is not None else "".join(c for _, c in messages or [])
