@@ -5,10 +5,7 @@
 # C: four simulated H200s (--calibrated --engines 4), 9 router processes, default deltas and deltas of
 #    at least 16 tokens (a service-to-service caller's GenerateRequest.min_delta_tokens).
 set -u
-ROOT=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PATH=$ROOT/.r4dev:$PATH LD_LIBRARY_PATH=$ROOT/.r4dev PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$ROOT
-W=/tmp/o; mkdir -p $W; t0=$(date +%s)
+. bench/device_env.sh
 PIN="--router-cpus 0 --redis-cpus 1 --tokenizer-cpus 2 --engine-cpus 3 --client-cpus 4-14 --clients 11"
 LOCAL="--router-arg=--detokenize=local --router-arg=--tokenize-local-bytes=16384"
 ONE="--streams 256 --step-ms 10 --duration 6 --warmup 2 --targets mesh bare --router-arg=--engine-wake-delay=0"
