@@ -31,14 +31,22 @@ from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb
 
 
 class Ticker:
-    """One future per tick, shared by every stream waiting for its next token."""
+    """One future per tick, shared by every stream waiting for its next token. It fires only when a
+    stream waits (idle, the server costs nothing: it shares the router's CPU in bench_relay)."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
         self.tick: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting = asyncio.Event()
+
+    def next(self) -> asyncio.Future[None]:
+        self._waiting.set()
+        return self.tick
 
     async def run(self) -> None:
         while True:
+            await self._waiting.wait()
+            self._waiting.clear()
             await asyncio.sleep(self.step_s)
             tick, self.tick = self.tick, asyncio.get_running_loop().create_future()
             tick.set_result(None)
@@ -53,7 +61,7 @@ class Bare(inference_pb2_grpc.InferenceServicer):
         n = max(1, request.sampling.max_tokens)
         yield inference_pb2.GenerateResponse(accepted=inference_pb2.Accepted(request_id="bare"))
         for _ in range(n):
-            await self.ticker.tick
+            await self.ticker.next()
             yield inference_pb2.GenerateResponse(delta=inference_pb2.Delta(text="x"))
         yield inference_pb2.GenerateResponse(done=inference_pb2.Done(
             usage=common_pb2.Usage(completion_tokens=n)))

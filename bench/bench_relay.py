@@ -407,13 +407,9 @@ def _client(load: Load, plan: list[tuple[str, int]], cpus: list[int], results: A
 
 
 def load_plan(load: Load, clients: int) -> list[list[tuple[str, int]]]:
-    """Per load process, its (address, streams) pairs. The mesh: each process at one router, round
-    robin. The engines alone: the streams spread evenly over the engines (see ``spread``); with one
-    engine, each process's whole share at it, as before."""
-    clients = max(1, min(clients, load.streams))
-    if load.target != "engine":
-        shares = [load.streams // clients + (1 if i < load.streams % clients else 0) for i in range(clients)]
-        return [[(load.addresses[i % len(load.addresses)], n)] for i, n in enumerate(shares)]
+    """Per load process, its (address, streams) pairs: the streams spread evenly over the targets (the
+    routers, or the engines alone; see ``spread``), so every router gets its share even with fewer
+    load processes than routers; with one target, each process's whole share at it."""
     return [[(load.addresses[t], n) for t, n in pairs]
             for pairs in spread(load.streams, clients, len(load.addresses))]
 

@@ -71,6 +71,17 @@ def test_streams_spread_evenly_over_engines() -> None:
     assert [bench_relay.cpu_share([3, 4], i, 3) for i in range(3)] == [[3], [4], [3]]
 
 
+def test_every_router_gets_its_share_with_fewer_load_processes_than_routers() -> None:
+    # Device run 1 of 2026-12-03d: 3 load processes, 9 routers, each process at one router: 6 routers idle.
+    routers = [f"r{i}" for i in range(9)]
+    load = bench_relay.Load("mesh", routers, 1024, 16, "p", 0, 1, 0)
+    per_router = dict.fromkeys(routers, 0)
+    for pairs in bench_relay.load_plan(load, 3):
+        for address, n in pairs:
+            per_router[address] += n
+    assert sum(per_router.values()) == 1024 and set(per_router.values()) <= {113, 114}
+
+
 def test_a_two_engine_run_spreads_the_baseline(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "relay.json"
     assert bench_relay.main(["--streams", "6", "--duration", "1", "--warmup", "0.4", "--clients", "3",
