@@ -173,6 +173,7 @@ class Mesh:
     engine_pids: list[int]
     engine_metrics: list[str] = field(default_factory=list)
     tokenizers: list[str] = field(default_factory=list)
+    tokenizer_pids: list[int] = field(default_factory=list)
     bare: str = ""          # the bare grpc.aio baseline (--targets bare), its address and pid
     bare_pid: int = 0
 
@@ -249,7 +250,8 @@ def start_mesh(args: argparse.Namespace, procs: Procs) -> Mesh:
     metrics = [f"http://127.0.0.1:{(procs.work / f'{name}.metrics-port').read_text().strip()}/metrics"
                for name in eng_names]
     return Mesh(routers, [procs.procs[f"router{i}"].pid for i in range(args.routers)], engs,
-                [procs.procs[name].pid for name in eng_names], metrics, toks, bare, bare_pid)
+                [procs.procs[name].pid for name in eng_names], metrics, toks,
+                [procs.procs[name].pid for name in tok_names], bare, bare_pid)
 
 
 # ------------------------------------------------------------------------------------ load
@@ -428,7 +430,10 @@ def _probe(cpu: int | None, stop: Any, out: Any) -> None:
 
 
 def run_load(load: Load, clients: int, client_cpus: list[int], cpu_pids: list[int],
-             engine_metrics: list[str] | None = None, probe_cpu: int | None = None) -> dict[str, Any]:
+             engine_metrics: list[str] | None = None, probe_cpu: int | None = None,
+             other_pids: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """One measured load. ``other_pids``: processes by role (redis, tokenizers, engines) whose
+    CPU-seconds over the same window go in the row's ``other_cpu_seconds``, to see which one limits."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     engine_metrics = list(engine_metrics or [])
@@ -442,15 +447,20 @@ def run_load(load: Load, clients: int, client_cpus: list[int], cpu_pids: list[in
     def cpu() -> float:
         return sum(sum(p.cpu_times()[:2]) for p in processes)
 
+    others = {role: [psutil.Process(pid) for pid in pids] for role, pids in (other_pids or {}).items()}
+
+    def other_cpu() -> dict[str, float]:
+        return {role: sum(sum(p.cpu_times()[:2]) for p in ps) for role, ps in others.items()}
+
     # Sample the router's CPU over the same window the clients measure.
     time.sleep(max(0.0, load.t0 + load.warmup - time.time()))
-    c0, w0, es0 = cpu(), time.monotonic(), engines_e2e(engine_metrics)
+    c0, w0, es0, o0 = cpu(), time.monotonic(), engines_e2e(engine_metrics), other_cpu()
     probe, probe_out, probe_stop = None, ctx.Queue(), ctx.Event()
     if probe_cpu is not None:
         probe = ctx.Process(target=_probe, args=(probe_cpu, probe_stop, probe_out), daemon=True)
         probe.start()
     time.sleep(max(0.0, load.t0 + load.warmup + load.duration - time.time()))
-    c1, w1, es1 = cpu(), time.monotonic(), engines_e2e(engine_metrics)
+    c1, w1, es1, o1 = cpu(), time.monotonic(), engines_e2e(engine_metrics), other_cpu()
     probe_rate = float("nan")
     if probe is not None:
         probe_stop.set()
@@ -481,6 +491,7 @@ def run_load(load: Load, clients: int, client_cpus: list[int], cpu_pids: list[in
             "engine_e2e_mean_ms": (e1[0] - e0[0]) / (e1[1] - e0[1]) * 1000 if e1[1] > e0[1] else float("nan"),
             "ttft_p50_ms": _percentile(ttft, 50) * 1000, "ttft_p99_ms": _percentile(ttft, 99) * 1000,
             "cpu_seconds": cpu_s, "cpu_utilisation": cpu_s / (w1 - w0),
+            "other_cpu_seconds": {role: o1[role] - o0[role] for role in o0},
             "tokens_per_cpu_s": tokens / cpu_s if cpu_s else 0.0,
             "messages_per_cpu_s": messages / cpu_s if cpu_s else 0.0,
             "probe_kops_per_cpu_s": probe_rate / 1000}
@@ -502,7 +513,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                    "bare": ([mesh.bare], [mesh.bare_pid])}[target]
                 load = Load(target, addresses, streams, args.max_tokens, args.prompt, args.warmup, args.duration,
                             time.time() + 1.5, args.min_delta_tokens if target == "mesh" else 0)
-                row = run_load(load, args.clients, client_cpus, pids, mesh.engine_metrics,
+                other = {} if target != "mesh" else {"redis": [procs.procs["redis"].pid],
+                                                      "tokenizers": mesh.tokenizer_pids, "engines": mesh.engine_pids}
+                row = run_load(load, args.clients, client_cpus, pids, mesh.engine_metrics, other_pids=other,
                                probe_cpu=args.probe_cpu if args.probe_cpu >= 0 else None)
                 row["cpu_of"] = {"mesh": "routers", "bare": "bare server"}.get(
                     target, "engine" if args.engines == 1 else "engines")
@@ -541,7 +554,8 @@ def _line(r: dict[str, Any]) -> str:
             f"{r['tokens_per_cpu_s']:>9,.0f} tok/CPU-s "
             f"{r['messages_per_cpu_s']:>8,.0f} msg/CPU-s  TTFT p50 {r['ttft_p50_ms']:.1f} p99 {r['ttft_p99_ms']:.1f} ms"
             f"  engine e2e {r['engine_e2e_mean_ms']:.0f} ms  {r['requests']} req {r['errors']} err "
-            f"{r['last_error'][:120]}" + (f" probe {probe:.0f} kops/CPU-s" if probe == probe else ""))
+            f"{r['last_error'][:120]}" + (f" probe {probe:.0f} kops/CPU-s" if probe == probe else "")
+            + "".join(f" {role} {v:.2f} CPU-s" for role, v in r.get("other_cpu_seconds", {}).items()))
 
 
 def table(rows: list[dict[str, Any]]) -> str:

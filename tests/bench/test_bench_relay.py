@@ -32,6 +32,8 @@ def test_a_small_run_reports_mesh_and_engine_alone(tmp_path: pathlib.Path) -> No
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
     mesh = rows[0]
     assert mesh["cpu_of"] == "routers" and 0 < mesh["ratio_to_engine"] < 2
+    assert set(mesh["other_cpu_seconds"]) == {"redis", "tokenizers", "engines"}
+    assert mesh["other_cpu_seconds"]["engines"] > 0 and rows[1]["other_cpu_seconds"] == {}
 
 
 def test_the_bare_baseline_and_coarse_deltas(tmp_path: pathlib.Path) -> None:
