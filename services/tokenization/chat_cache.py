@@ -15,8 +15,9 @@ template rewrites earlier text (a changed system prompt, a header counting messa
 and more is re-tokenized; with no usable boundary the whole text is tokenized. A check that the
 suffix's first id is the expected added token guards the reasoning at run time.
 
-Entries are keyed by an opaque cache key (the router passes tenant + session id), held in an LRU
-bounded by a total token budget; ids are stored compactly in `array('I')`.
+Entries are keyed by an opaque cache key (the router passes tenant + session id, or for a chat
+without one tenant + a hash of the conversation's opening: `router_svc.pipeline.tokenize_cache_key`),
+held in an LRU bounded by a total token budget; ids are stored compactly in `array('I')`.
 """
 
 from __future__ import annotations
