@@ -101,6 +101,7 @@ def tokenize_cache_key(tenant: str, session_id: str, messages: list[tuple[str, s
             break
     return f"{tenant}/~{h.hexdigest()}"
 
+
 @dataclass
 class RouterOptions:
     request_timeout: float = 600.0
