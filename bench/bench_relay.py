@@ -444,23 +444,23 @@ def run_load(load: Load, clients: int, client_cpus: list[int], cpu_pids: list[in
         w.start()
     processes = [psutil.Process(pid) for pid in cpu_pids]
 
-    def cpu() -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in processes)
+    def cpu_of(ps: list[psutil.Process]) -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in ps)
 
     others = {role: [psutil.Process(pid) for pid in pids] for role, pids in (other_pids or {}).items()}
 
     def other_cpu() -> dict[str, float]:
-        return {role: sum(sum(p.cpu_times()[:2]) for p in ps) for role, ps in others.items()}
+        return {role: cpu_of(ps) for role, ps in others.items()}
 
     # Sample the router's CPU over the same window the clients measure.
     time.sleep(max(0.0, load.t0 + load.warmup - time.time()))
-    c0, w0, es0, o0 = cpu(), time.monotonic(), engines_e2e(engine_metrics), other_cpu()
+    c0, w0, es0, o0 = cpu_of(processes), time.monotonic(), engines_e2e(engine_metrics), other_cpu()
     probe, probe_out, probe_stop = None, ctx.Queue(), ctx.Event()
     if probe_cpu is not None:
         probe = ctx.Process(target=_probe, args=(probe_cpu, probe_stop, probe_out), daemon=True)
         probe.start()
     time.sleep(max(0.0, load.t0 + load.warmup + load.duration - time.time()))
-    c1, w1, es1, o1 = cpu(), time.monotonic(), engines_e2e(engine_metrics), other_cpu()
+    c1, w1, es1, o1 = cpu_of(processes), time.monotonic(), engines_e2e(engine_metrics), other_cpu()
     probe_rate = float("nan")
     if probe is not None:
         probe_stop.set()

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
-from router_svc.local_detok import LocalDetokenize, load_files
 from router_svc.local_tokenize import LocalTokenize, template_of
 from router_svc.pipeline import tokenize_cache_key
 from router_svc.types import GenerateInput, Sampling
 from tests.router.core_fakes import OTHER, TENANT, core
-from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
 
 SYSTEM = ("system", "You answer briefly.")
 TURN1 = [SYSTEM, ("user", "What is a KV cache?")]
@@ -43,11 +39,6 @@ async def test_the_request_path_sends_the_key() -> None:
         await _run(c, tenant, messages)
     k = c.tokenizer.cache_keys
     assert k[0] == "" and k[1] == k[2] == tokenize_cache_key("t", "", TURN2) and k[3].startswith("u/~")
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory) -> LocalDetokenize:
-    return LocalDetokenize(load_files(str(ensure_byte_tokenizer(tmp_path_factory.mktemp("bt")))))
 
 
 async def test_the_third_turn_is_encoded_from_the_seconds_prefix(local) -> None:

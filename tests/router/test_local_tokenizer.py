@@ -7,19 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from router_svc.local_detok import PROBE, LocalDetokenize, load_files, mismatch
+from router_svc.local_detok import PROBE, LocalDetokenize, mismatch
 from router_svc.local_tokenize import LocalTokenize, template_of
 from router_svc.types import DetokOut, TokenizerMeta
 from services.errors import Reason
 from services.mux import StreamBroken
-from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory) -> LocalDetokenize:
-    return LocalDetokenize(load_files(str(ensure_byte_tokenizer(tmp_path_factory.mktemp("bt")))))
 
 
 def _ids(local: LocalDetokenize, text: str) -> list[int]:

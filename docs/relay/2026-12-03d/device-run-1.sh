@@ -15,7 +15,8 @@ for mode in default local default local; do
   timeout 60 python3 bench/bench_relay.py $ONE $PIN $extra > $W/one_${i}_$mode.txt 2>&1
   echo "A$i $mode $(( $(date +%s) - t0 )) s:"; grep -E '^\| 256' $W/one_${i}_$mode.txt
 done
-G4="--calibrated --engines 4 --streams 1024 4096 --duration 8 --warmup 2 --routers 9 --router-cpus 0-8 --redis-cpus 9 --tokenizer-cpus 10 --engine-cpus 11-12 --clients 3 --client-cpus 13-15"
+# Run 2 calls this script with its own layout in G4.
+G4=${G4:-"--calibrated --engines 4 --streams 1024 4096 --duration 8 --warmup 2 --routers 9 --router-cpus 0-8 --redis-cpus 9 --tokenizer-cpus 10 --engine-cpus 11-12 --clients 3 --client-cpus 13-15"}
 for md in 0 16; do
   timeout 200 python3 bench/bench_relay.py $G4 --min-delta-tokens $md > $W/gpu4_md$md.txt 2>&1
   echo "C md$md $(( $(date +%s) - t0 )) s:"; grep -E '^\| (1024|4096)' $W/gpu4_md$md.txt
