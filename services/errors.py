@@ -257,6 +257,8 @@ class Reason(StrEnum):
     # -- between services only
     BATCH_TOO_LARGE = "BATCH_TOO_LARGE", _mesh(InvalidArgument, "more inputs in one Tokenize call than "
                                                "--max-batch (the router splits the call)")
+    CACHE_KEY_TOO_LONG = "CACHE_KEY_TOO_LONG", _mesh(InvalidArgument, "a chat cache_key over the tokenizer's "
+                                                     "--max-cache-key-bytes (the router's keys are shorter)")
     UNKNOWN_REQUEST = "UNKNOWN_REQUEST", _mesh(Internal, "detokenizer tokens for a request that is not open")
     # -- no reason given: the status's own name
     UNAUTHENTICATED = "UNAUTHENTICATED", _status(Unauthenticated, "unauthenticated")

@@ -50,7 +50,8 @@ def encoder_limits(settings: TokenizerSettings, loaded: LoadedTokenizer) -> Enco
     return EncoderLimits(max_batch=settings.max_batch, batch_inputs=settings.batch_inputs,
                          max_pending=settings.max_pending,
                          max_input_bytes=settings.max_input_bytes, max_input_tokens=max(0, max_tokens),
-                         max_pending_bytes=settings.max_pending_bytes, inline_bytes=settings.inline_bytes)
+                         max_pending_bytes=settings.max_pending_bytes, inline_bytes=settings.inline_bytes,
+                         max_cache_key_bytes=settings.max_cache_key_bytes)
 
 
 class TokenizerApp:

@@ -63,6 +63,9 @@ class TokenizerSettings(ServiceSettings):
                                                             "beyond)")
     max_input_tokens: int = Field(0, ge=-1, description="most tokens per input (PROMPT_TOO_LONG beyond); 0 = "
                                   "the model's context length when known, else no limit; -1 = no limit")
+    max_cache_key_bytes: int = Field(32 << 10, ge=1, le=1 << 20, description="longest chat cache_key in "
+                                     "UTF-8 bytes (CACHE_KEY_TOO_LONG beyond; the router's longest is its "
+                                     "tenant id + '/' + a session id of --max-session-id characters)")
     chat_cache_tokens: int = Field(20_000_000, ge=0, description="token budget of the per-session chat prefix "
                                    "cache (incremental chat tokenization); 0 = off")
     switch_interval_ms: float = Field(0.5, ge=0, description="Python's thread switch interval "

@@ -97,6 +97,8 @@ class EncoderLimits:
     # A call of at most this much text that finds the encoder idle is encoded on the event loop
     # (a few hundred µs of work instead of two thread hand-offs each way); 0 = never.
     inline_bytes: int = 4096
+    # A chat's cache key is kept with its conversation's ids in the chat prefix cache.
+    max_cache_key_bytes: int = 32 << 10
 
 
 class Encoder:
@@ -173,6 +175,10 @@ class Encoder:
             return _utf8_len(item.text)
         if not item.messages:
             raise Reason.EMPTY_PROMPT.error(f"{which}: chat has no messages")
+        if _utf8_len(item.cache_key) > self.limits.max_cache_key_bytes:
+            raise Reason.CACHE_KEY_TOO_LONG.error(
+                f"{which}: cache_key is {_utf8_len(item.cache_key)} bytes of UTF-8; at most "
+                f"{self.limits.max_cache_key_bytes}")
         if self.template is None:
             raise Reason.NO_CHAT_TEMPLATE.error("this model has no chat template (start the tokenizer with "
                                                 "--chat-template)")

@@ -122,7 +122,7 @@ async def test_concurrent_callers_get_their_own_results(tiny_dirs: dict[str, pat
 
 async def test_limits_and_input_errors(tiny_dirs: dict[str, pathlib.Path]) -> None:
     async with running(tiny_dirs["tiny-sentencepiece"], max_input_bytes=1000, max_input_tokens=50,
-                       max_batch=4) as (_, stub):
+                       max_batch=4, max_cache_key_bytes=300) as (_, stub):
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         await expect_error(stub.Tokenize(pb.TokenizeRequest()), invalid, "EMPTY_PROMPT")
         await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[pb.TokenizeInput()])), invalid, "EMPTY_PROMPT")
@@ -135,6 +135,12 @@ async def test_limits_and_input_errors(tiny_dirs: dict[str, pathlib.Path]) -> No
                            "BATCH_TOO_LARGE")
         await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[chat_input([("user", "a"), ("user", "b")])])),
                            invalid, "CHAT_TEMPLATE_ERROR")
+        # The chat cache key is bounded too (it is stored with the cached ids of its conversation).
+        keyed = chat_input([("user", "hi")])
+        keyed.chat.cache_key = "k" * 301
+        await expect_error(stub.Tokenize(pb.TokenizeRequest(inputs=[keyed])), invalid, "CACHE_KEY_TOO_LONG")
+        keyed.chat.cache_key = "é" * 150
+        assert len((await stub.Tokenize(pb.TokenizeRequest(inputs=[keyed]))).results[0].ids) > 0
         # The service is unharmed by all that.
         ok = await stub.Tokenize(pb.TokenizeRequest(inputs=[text_input("é" * 20)]))
         assert len(ok.results) == 1
