@@ -1,6 +1,6 @@
 """Incremental chat tokenization: each turn of a conversation that resends the whole history,
 encoded by the tokenizer's `Encoder` with its chat prefix cache (the key a session, or for a chat
-without one the conversation's opening: `router_svc.pipeline.tokenize_cache_key`) against the same
+without one the conversation's opening: `router_svc.cache_key.tokenize_cache_key`) against the same
 turns encoded whole (no key), in the same run, on the same tokenizer files.
 
     python bench/bench_chat_cache.py [--tokenizer DIR] [--turns 12] [--conversations 50]
@@ -21,8 +21,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from router_svc.cache_key import tokenize_cache_key
 from router_svc.local_tokenize import template_of
-from router_svc.pipeline import tokenize_cache_key
 from services.tokenization.encoder import ChatInput, Encoder, EncoderLimits
 from services.tokenization.loader import TokenizerFiles, load_tokenizer
 

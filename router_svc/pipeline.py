@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +34,7 @@ from services.tasks import discard, retrieve
 from services.tracing import child_span, inject, tracer
 
 from .admission_steps import BUDGET_REFUSALS, abandon_early, end_admission, final_refusal
+from .cache_key import tokenize_cache_key
 from .engine_stage import EngineStage
 from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
 from .placement import LeastLoaded, LocalSessionAffinity
@@ -74,32 +74,6 @@ class _OpenGate:
 
     def enter(self) -> _T:
         return self._ticket
-
-
-def tokenize_cache_key(tenant: str, session_id: str, messages: list[tuple[str, str]]) -> str:
-    """The key of a chat's cached token prefix at the tokenizer (incremental tokenization: only the
-    text past the cached prefix is encoded; the cache checks the text, so a key shared by two
-    conversations costs hits, never correctness). Scoped by tenant: one tenant's key can never reach
-    another's prefix.
-
-    A session: its id. Without one (a client that resends the whole conversation every turn), a
-    conversation that already has an assistant reply is keyed by its opening, every message up to and
-    including the first user message, which every later turn repeats; a chat without a reply yet (a
-    one-shot request) gets no key, so it costs the cache nothing. The second turn then stores the
-    prefix, and the third turn on reuse it, as a session's would."""
-    if session_id:
-        return f"{tenant}/{session_id}"
-    if not any(role == "assistant" for role, _ in messages):
-        return ""
-    h = hashlib.blake2b(digest_size=16)
-    for role, content in messages:
-        h.update(role.encode())
-        h.update(b"\0")
-        h.update(content.encode())
-        h.update(b"\1")
-        if role == "user":
-            break
-    return f"{tenant}/~{h.hexdigest()}"
 
 
 @dataclass

@@ -16,7 +16,7 @@ and more is re-tokenized; with no usable boundary the whole text is tokenized. A
 suffix's first id is the expected added token guards the reasoning at run time.
 
 Entries are keyed by an opaque cache key (the router passes tenant + session id, or for a chat
-without one tenant + a hash of the conversation's opening: `router_svc.pipeline.tokenize_cache_key`),
+without one tenant + a hash of the conversation's opening: `router_svc.cache_key.tokenize_cache_key`),
 held in an LRU bounded by a total token budget; ids are stored compactly in `array('I')`.
 """
 

@@ -1,4 +1,4 @@
-"""Chats without a session id are tokenized incrementally too (`pipeline.tokenize_cache_key`): a
+"""Chats without a session id are tokenized incrementally too (`cache_key.tokenize_cache_key`): a
 conversation that has a reply is keyed by its opening, so each turn that resends the whole
 conversation finds the last turn's prefix at the tokenizer; one-shot chats get no key."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from router_svc.cache_key import tokenize_cache_key
 from router_svc.local_tokenize import LocalTokenize, template_of
-from router_svc.pipeline import tokenize_cache_key
 from router_svc.types import GenerateInput, Sampling
 from tests.router.core_fakes import OTHER, TENANT, core
 
