@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
+from grpc._cython import cygrpc as _cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -30,18 +31,33 @@ from services.logging import get_logger
 from services.security import PLAINTEXT, SecuritySettings
 
 log = get_logger(__name__)
+# What `context.abort` raises when the status cannot be sent because the call has ended in core:
+# `ExecuteBatchError`, not exported by grpc.aio (a subclass of its public `InternalError`).
+_CORE_BATCH_FAILED: type[Exception] = getattr(_cygrpc, "ExecuteBatchError", grpc.aio.InternalError)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    if isinstance(exc, TokenrelayError):
-        context.set_trailing_metadata(exc.trailing_metadata())
-        await context.abort(exc.code, exc.message)
-    if isinstance(exc, NotImplementedError):
-        # A generated servicer's method that nobody implemented (the standard health service's List).
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
-    log.exception("unhandled_error", method=method, exc_info=exc)
-    context.set_trailing_metadata(((REASON_KEY, str(Reason.INTERNAL)),))
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+    try:
+        if isinstance(exc, TokenrelayError):
+            context.set_trailing_metadata(exc.trailing_metadata())
+            await context.abort(exc.code, exc.message)
+        if isinstance(exc, NotImplementedError):
+            # A generated servicer's method that nobody implemented (the standard health service's List).
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented")
+        log.exception("unhandled_error", method=method, exc_info=exc)
+        context.set_trailing_metadata(((REASON_KEY, str(Reason.INTERNAL)),))
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+    except grpc.aio.AbortError:
+        raise
+    except _CORE_BATCH_FAILED:
+        # The call had already ended in gRPC's core (its deadline fired there, or its client went
+        # away) before the handler's own error could be sent: nobody can receive a status any
+        # more. grpc would log that as an ERROR with a traceback unless it has already seen the
+        # call close, which races the handler at a deadline (bench/probe_mix.py found it); the
+        # handler ends as cancelled instead, which grpc logs at debug level.
+        log.info("status_not_sent", method=method, error=type(exc).__name__,
+                 reason=str(exc.reason) if isinstance(exc, TokenrelayError) else "")
+        raise asyncio.CancelledError from None
 
 
 class Undecodable:
