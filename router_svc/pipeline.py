@@ -31,7 +31,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
 from services.tasks import discard, retrieve
-from services.tracing import child_span, inject, tracer
+from services.tracing import child_span, detached_span, inject, tracer
 
 from .admission_steps import BUDGET_REFUSALS, abandon_early, end_admission, final_refusal
 from .cache_key import tokenize_cache_key
@@ -385,7 +385,9 @@ class Router:
         QUEUED.labels(state.tenant).inc()
         self.ports.registry.on_cancel(state.tenant, state.request_id, admitting.cancel)
         try:
-            with child_span(_tracer, "queued", context=rctx):     # waiting for the grant
+            # Not made current: this block yields (a client gone meanwhile leaves the generator
+            # to be closed in another Context).
+            with detached_span(_tracer, "queued", context=rctx):  # waiting for the grant
                 async with asyncio.timeout(state.remaining()):
                     while admitting.grant is None:
                         await admitting.next()
