@@ -44,6 +44,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
+from services.errors import Reason
 from services.logging import get_logger
 
 from .cluster_redis import REDIS_ERRORS, Pipeliner, Warned, numsub, open_redis, stop_tasks, subscribe
@@ -346,13 +347,19 @@ class RedisRequestRegistry:
         self._reply(message, "held", self._local.holds, "holds_reply")
 
     async def cancel(self, tenant: str, request_id: str) -> bool:
+        """True: cancelled (here, or by the router holding it); False: not in flight for this
+        tenant (no owner, or an owner that is gone). When that cannot be known — Redis
+        unreachable, or an owner that does not answer in time — the Cancel is refused as
+        retryable (REDIS_UNAVAILABLE, CANCEL_NOT_CONFIRMED) rather than answered "not in flight"
+        for a request that may still be running."""
         if self._cancel_local(tenant, request_id):
             return True
         try:
             owner = await self._c.pipe.call("GET", self._c.key("rid", tenant, request_id))
         except REDIS_ERRORS as exc:
             self._c.warn("cancel", exc)
-            return False
+            raise Reason.REDIS_UNAVAILABLE.error("the Cancel cannot reach the other router processes "
+                                                 "(Redis unreachable)") from None
         if owner is None:
             return False
         owner = owner.decode() if isinstance(owner, bytes) else str(owner)
@@ -366,10 +373,12 @@ class RedisRequestRegistry:
         except asyncio.TimeoutError:
             REMOTE_CANCELS.labels("sent", "timeout").inc()
             log.warning("cluster_cancel_timeout", owner=owner, request_id=request_id)
-            return False
+            raise Reason.CANCEL_NOT_CONFIRMED.error(
+                f"the router holding the request did not answer within {self.cancel_timeout:g} s") from None
         except REDIS_ERRORS as exc:
             self._c.warn("cancel", exc)
-            return False
+            raise Reason.REDIS_UNAVAILABLE.error("the Cancel cannot reach the router holding the request "
+                                                 "(Redis unreachable)") from None
         if cancelled is None:  # the owner is gone: its id expires with its heartbeat
             REMOTE_CANCELS.labels("sent", "no_owner").inc()
             return False

@@ -246,6 +246,9 @@ class Reason(StrEnum):
                                                        retry_after=1.0)
     REDIS_UNAVAILABLE = "REDIS_UNAVAILABLE", _client(Unavailable, "the admission store is unreachable "
                                                      "(fail-closed)", retry_after=1.0)
+    CANCEL_NOT_CONFIRMED = "CANCEL_NOT_CONFIRMED", _client(Unavailable, "the router process holding the request "
+                                                           "did not confirm the Cancel in time (it may still "
+                                                           "run): send the Cancel again", retry_after=0.5)
     ROUTER_OVERLOADED = "ROUTER_OVERLOADED", _client(Unavailable, "this router process is over its "
                                                      "in-flight or event-loop-lag bound (another router may "
                                                      "serve it)", retryable=True, retry_after=0.1)

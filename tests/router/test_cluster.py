@@ -18,6 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from router_svc.cluster import RedisCluster
+from services.errors import Reason, Unavailable
 from tests.waiting import poll
 
 
@@ -122,6 +123,17 @@ async def test_cancel_reaches_the_router_holding_the_request(pair):
     assert hits == ["r1"]
 
 
+async def test_a_cancel_its_owner_does_not_answer_in_time_is_refused_as_retryable(pair):
+    a, b = pair
+    assert await a.registry.claim("t", "busy")
+    a.registry.remote_cancel = lambda message: None   # subscribed, but (stopped, stalled) answers nothing
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable) as refused:
+        await b.registry.cancel("t", "busy")
+    assert refused.value.reason == Reason.CANCEL_NOT_CONFIRMED and refused.value.retry_after
+    assert time.monotonic() - t0 < b.registry.cancel_timeout + 1
+
+
 async def test_cancel_of_an_id_whose_owner_died_is_false_at_once(pair, redis_url):
     a, b = pair
     # A router that died holding an id: its key lives until the TTL, nobody listens on its channel.
@@ -201,7 +213,12 @@ async def test_redis_unreachable_falls_back_to_local_without_hanging(tmp_path):
     hits: list[int] = []
     m.registry.on_cancel("t", "r", lambda: hits.append(1))
     assert await m.registry.cancel("t", "r") and hits == [1]
-    assert await m.registry.cancel("t", "elsewhere") is False
+    # An id this process does not hold may run on another router, which only Redis can reach:
+    # "not in flight" would be a guess, so the Cancel is refused as retryable (probe_mix found the
+    # guess: a Cancel answered false during a Redis restart while its request kept streaming).
+    with pytest.raises(Unavailable) as refused:
+        await m.registry.cancel("t", "elsewhere")
+    assert refused.value.reason == Reason.REDIS_UNAVAILABLE
     await m.sessions.set("t", "s", "e:1")
     assert await m.sessions.get("t", "s") == "e:1"
     await m.registry.release("t", "r")
@@ -217,7 +234,8 @@ async def test_a_stopped_redis_costs_each_operation_its_bound_and_releases_land_
     try:
         t0 = time.monotonic()
         assert await m.registry.claim("t", "r2")  # local answer
-        assert await m.registry.cancel("t", "remote") is False
+        with pytest.raises(Unavailable):          # not a guess that it is not in flight
+            await m.registry.cancel("t", "remote")
         assert time.monotonic() - t0 < 2.5
         await m.registry.release("t", "r")         # cannot reach Redis now ...
         await poll(lambda: m.registry.unreleased(), timeout=5, what="the failed release to be kept")
