@@ -38,8 +38,10 @@ import asyncio
 import collections
 import hashlib
 import json
+import os
 import pathlib
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -65,6 +67,10 @@ UNDER_LOAD = {"RESOURCE_EXHAUSTED/TENANT_QUEUE_FULL", "RESOURCE_EXHAUSTED/QUEUE_
               "UNAVAILABLE/ROUTER_OVERLOADED"}
 ACTIONS = ("plain", "client_cancel", "deadline", "cancel_rpc", "duplicate", "chat", "bad", "flood")
 # Lease TTL short, so that anything a bug left held would still show once leases could expire.
+UNTYPED = (grpc.StatusCode.INTERNAL.name, grpc.StatusCode.UNKNOWN.name)     # never a right answer
+REFUSED_BAD = {c.name for c in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                                grpc.StatusCode.RESOURCE_EXHAUSTED)}
+FAULT_WINDOW = 10.0    # seconds from a fault during which its own failures are allowed
 ROUTER_ARGS = ("--router-arg=--lease-ttl=3", "--router-arg=--lease-heartbeat=0.5")
 SIM_ARGS = ("--engine-arg=--sim-decode-step-time=0.004", "--tokenizer-arg=--chat-template=chatml")
 
@@ -129,16 +135,32 @@ class Report:
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     problems: list[str] = field(default_factory=list)
     calls: int = 0
+    fault: str = ""              # "kill:router1", ... (`--fault`)
+    fault_at: float = 0.0        # monotonic time it was injected (0: not yet, or none)
+
+    def _faulted(self, ending: str) -> bool:
+        """An ending the fault may explain, while its window lasts: every part of it typed (a
+        status or turn error with a reason, not INTERNAL/UNKNOWN), where a killed router's own
+        streams may also see their connection close (UNAVAILABLE without a reason). Within the
+        window only that is checked, not which typed ending the action expects."""
+        if not self.fault_at or time.monotonic() > self.fault_at + FAULT_WINDOW:
+            return False
+        parts = [p.split(" ")[0] for p in ending.split(",")]
+        lost = self.fault.startswith("kill:router")
+        return any(p != "done" for p in parts) and all(
+            (p.partition("/")[2] and not p.startswith(UNTYPED)) or (lost and p == "UNAVAILABLE/")
+            or p in ("done", "OK", "client-cancelled") for p in parts)
 
     def note(self, action: str, ending: str, ok: bool, why: str = "") -> None:
         """`ok`: the outcome is one the action allows. Refusals the load itself explains (the
-        `flood` action fills tenant b's queue) are allowed to any action."""
-        ok = ok or ending in UNDER_LOAD
+        `flood` action fills tenant b's queue) are allowed to any action, and the fault's."""
+        faulted = self._faulted(ending)
+        ok = ok or ending in UNDER_LOAD or faulted
         self.calls += 1
-        self.outcomes[f"{action}: {ending}"] += 1
-        bad = ending.split("/")[0] in ("INTERNAL", "UNKNOWN") or (ending.endswith("/") and ending != "done")
-        if ending.startswith("DEADLINE_EXCEEDED/") and action == "deadline":
-            bad = False     # the client's own short deadline: no reason is expected
+        self.outcomes[f"{action}: {ending}" + (" [fault]" if faulted else "")] += 1
+        bad = ending.split("/")[0] in UNTYPED or (ending.endswith("/") and ending != "done")
+        if (ending.startswith("DEADLINE_EXCEEDED/") and action == "deadline") or faulted:
+            bad = False     # the client's own short deadline (no reason expected), or the fault's
         if bad or not ok:
             if len(self.problems) < 40:
                 self.problems.append(f"{action}: {ending} {why}".strip())
@@ -322,7 +344,7 @@ class Probe:
                                                 sampling=common_pb2.SamplingParams(max_tokens=8))
         seen = await _read(self.stub().Generate(req, metadata=_md("a"), timeout=HANG), Seen())
         code, _, reason = seen.ending.partition("/")
-        ok = code in ("INVALID_ARGUMENT", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED") and bool(reason)
+        ok = code in REFUSED_BAD and bool(reason)
         self.report.note(f"bad#{choice}", seen.ending, ok, seen.details)
 
     async def flood(self) -> None:
@@ -395,12 +417,24 @@ async def redis_held(redis_url: str) -> dict[str, int]:
         await r.aclose()
 
 
+async def _all_up(state_file: pathlib.Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        services = json.loads(state_file.read_text())["services"]
+        if all(s["state"] == "up" for s in services.values()):
+            return
+        await asyncio.sleep(0.2)
+
+
 async def quiesce(state: dict[str, Any], timeout: float = 15.0) -> list[str]:
     """Poll until nothing is held (or `timeout`); what is still held then, one line each."""
     deadline = time.monotonic() + timeout
     while True:
-        left = {k: v for k, v in held(state).items() if v}
-        left.update({f"redis:{k}": v for k, v in (await redis_held(state["redis_url"])).items() if v})
+        try:
+            left = {k: v for k, v in held(state).items() if v}
+            left.update({f"redis:{k}": v for k, v in (await redis_held(state["redis_url"])).items() if v})
+        except Exception as exc:  # noqa: BLE001 - a restarted service not serving yet
+            left = {f"unreachable ({type(exc).__name__})": 1.0}
         if not left or time.monotonic() > deadline:
             return [f"still held after the load: {k} = {v:g}" for k, v in sorted(left.items())]
         await asyncio.sleep(0.5)
@@ -427,12 +461,35 @@ async def burst(address: str) -> list[str]:
     return [f"burst: {r}" for r in results if r != "ok"]
 
 
-async def probe_mesh(state: dict[str, Any], seconds: float, workers: int, seed: int) -> tuple[Report, list[str]]:
+async def inject(state_file: pathlib.Path, report: Report, after: float) -> None:
+    """`report.fault` after `after` seconds: `kill:NAME` (SIGKILL; `tokenrelay up` restarts it) or
+    `stop:NAME` (SIGSTOP for 3 s), NAME a service of the state file (router1, engine0, redis, ...)."""
+    await asyncio.sleep(after)
+    how, _, name = report.fault.partition(":")
+    pid = int(json.loads(state_file.read_text())["services"][name]["pid"])
+    report.fault_at = time.monotonic()
+    if how == "kill":
+        os.kill(pid, signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(3.0)
+        os.kill(pid, signal.SIGCONT)
+
+
+async def probe_mesh(state: dict[str, Any], seconds: float, workers: int, seed: int, fault: str = "",
+                     state_file: pathlib.Path | None = None) -> tuple[Report, list[str]]:
     probe = Probe(state["router"], seed)
+    probe.report.fault = fault
+    faulting = asyncio.ensure_future(inject(state_file, probe.report, seconds / 2)) if fault and state_file else None
     try:
         report = await probe.run(seconds, workers)
     finally:
         await probe.close()
+        if faulting is not None:
+            await faulting
+    if state_file is not None:   # a restarted service's metrics port is a new one
+        state = {**state, **json.loads(state_file.read_text())}
+        await _all_up(state_file)
     leftovers = await quiesce(state)
     return report, leftovers + (await burst(state["router"]) if not leftovers else [])
 
@@ -463,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", type=int, default=2)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--fault", default="", help="at half time: kill:NAME (SIGKILL) or stop:NAME (SIGSTOP 3 s), NAME "
+                   "a service of the mesh (router1, engine1, tokenizer0, redis)")
     p.add_argument("--json", default="", help="write the outcomes and problems here")
     args = p.parse_args(argv)
     from tests.meshkit import stop_mesh
@@ -471,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = pathlib.Path(tmp_s)
         mesh = start(tmp, build_model(tmp / "model"), args.routers, args.engines)
         try:
-            report, leftovers = asyncio.run(probe_mesh(mesh.state, args.seconds, args.workers, args.seed))
+            report, leftovers = asyncio.run(probe_mesh(mesh.state, args.seconds, args.workers, args.seed,
+                                                       args.fault, tmp / "state.json"))
         finally:
             rc = stop_mesh(mesh)
         tracebacks = logged_tracebacks(tmp / "run")
