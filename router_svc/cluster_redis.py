@@ -56,7 +56,10 @@ class Pipeliner:
     `call()` returns the command's reply, or raises RedisError within twice `timeout`.
     Keyed script operations (`submit_keyed`: a script over ``KEYS`` with the same ``ARGV``, one
     reply per key) of one batch become ONE script call over all their keys: a claim or a release
-    costs Redis and redis-py one array element, not one command."""
+    costs Redis and redis-py one array element, not one command. Operations on one key run in the
+    order they were submitted (a key met again starts new groups); a plain command goes in its
+    place, before the groups still open (none of them touches a key its own process has grouped in
+    the same batch: the take-over of an id and the Cancel's read come from requests not holding it here)."""
 
     def __init__(self, redis: RedisClient, timeout: float) -> None:
         self._redis = redis
@@ -105,6 +108,14 @@ class Pipeliner:
     async def _send(self, batch: list[_Op]) -> None:
         entries: list[tuple[list[asyncio.Future[Any]], bool]] = []  # per pipeline entry: futures, keyed
         groups: dict[tuple[str, tuple[Any, ...]], tuple[list[str], list[asyncio.Future[Any]]]] = {}
+        grouped: set[str] = set()   # the keys of `groups`
+
+        def flush() -> None:
+            for (script, args), (keys, futs) in groups.items():
+                pipe.execute_command("EVAL", script, len(keys), *keys, *args)
+                entries.append((futs, True))
+            groups.clear()
+            grouped.clear()
         try:
             pipe = self._redis.pipeline(transaction=False)
             for what, args, fut, key in batch:
@@ -112,12 +123,15 @@ class Pipeliner:
                     pipe.execute_command(what, *args)
                     entries.append(([fut], False))
                     continue
+                # A key already grouped (a release of an id, then a new claim of it): the groups so
+                # far go first, so each key's operations run in the order they were submitted.
+                if key in grouped:
+                    flush()
                 keys, futs = groups.setdefault((what, args), ([], []))
                 keys.append(key)
                 futs.append(fut)
-            for (script, args), (keys, futs) in groups.items():
-                pipe.execute_command("EVAL", script, len(keys), *keys, *args)
-                entries.append((futs, True))
+                grouped.add(key)
+            flush()
             replies = await asyncio.wait_for(pipe.execute(raise_on_error=False), self._timeout)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             for *_, fut, _ in batch:

@@ -277,3 +277,24 @@ async def test_restarted_redis_serves_again_on_fresh_connections(private_redis):
     await other.close()
     await r.aclose()
     await m.close()
+
+
+async def test_a_claim_that_follows_a_release_of_its_id_in_one_batch_keeps_the_id(pair, redis_url):
+    # One pipeline batch carries a release of id x and then a new claim of x by the same router (a
+    # refused request's id, released without waiting, sent again at once), after a claim of another
+    # id. The batch groups claims into one script call: the group of claims went before the release,
+    # which then deleted the new claim, so x ran here unclaimed in Redis and another router's
+    # duplicate of it ran too. Submission order is kept per key.
+    a, b = pair
+    assert await a.registry.claim("t", "x")
+    z = asyncio.ensure_future(a.registry.claim("t", "z"))
+    freed = asyncio.ensure_future(a.registry.release("t", "x", wait=False))
+    again = asyncio.ensure_future(a.registry.claim("t", "x"))
+    assert await z and await again
+    await freed
+    r = aioredis.from_url(redis_url)
+    try:
+        assert await r.get(a.key("rid", "t", "x")) == b"a"
+    finally:
+        await r.aclose()
+    assert not await b.registry.claim("t", "x")        # a runs it: another router's duplicate is refused
