@@ -217,9 +217,9 @@ class RedisCluster:
             except Exception as exc:  # noqa: BLE001 - next beat tries again; the TTL covers two misses
                 self.warn("heartbeat", exc)
 
-    async def heartbeat_once(self) -> None:
+    async def heartbeat_once(self) -> int:
         """Refresh every request id this process holds (one Lua call per 500), and retry releases
-        that failed."""
+        that failed. Returns how many of them another router holds (see `_HEARTBEAT`)."""
         keys = self.registry.held_keys()
         ttl_ms = int(self.registry.ttl * 1000)
         lost = 0
@@ -232,6 +232,7 @@ class RedisCluster:
         await self.release_keys(unreleased)
         for key in unreleased:
             self.registry.released(key)
+        return lost
 
     async def release_keys(self, keys: list[str]) -> None:
         for i in range(0, len(keys), _HEARTBEAT_CHUNK):
@@ -249,6 +250,7 @@ class RedisRequestRegistry:
         self.ttl = ttl
         self.cancel_timeout = cancel_timeout
         self._local = LocalRequestRegistry()   # this process's ids and their cancel callbacks
+        self._claiming: set[tuple[str, str]] = set()   # held here, their claim not answered yet
         self._unreleased: set[str] = set()
         self._answers: dict[str, asyncio.Future[bool]] = {}
         HELD_IDS.set_function(lambda: len(self._local))  # read at scrape time, not per request
@@ -258,7 +260,8 @@ class RedisRequestRegistry:
         return len(self._local)
 
     def held_keys(self) -> list[str]:
-        return [self._c.key("rid", t, r) for t, r in self._local.pairs()]
+        """The ids this process holds in Redis (a claim still being decided is not one of them)."""
+        return [self._c.key("rid", t, r) for t, r in self._local.pairs() if (t, r) not in self._claiming]
 
     def unreleased(self) -> list[str]:
         return list(self._unreleased)
@@ -272,6 +275,7 @@ class RedisRequestRegistry:
         key = self._c.key("rid", tenant, request_id)
         self._unreleased.discard(key)
         ttl_ms = int(self.ttl * 1000)
+        self._claiming.add((tenant, request_id))
         try:
             owner = await self._c.pipe.call_keyed(_CLAIM, key, self._c.router_id, ttl_ms)
             # Another router's id: take it over if that router died holding it, or if it is alive but
@@ -285,6 +289,8 @@ class RedisRequestRegistry:
         except asyncio.CancelledError:
             self._local.drop(tenant, request_id)
             raise
+        finally:
+            self._claiming.discard((tenant, request_id))
         if not owner:
             return True
         self._local.drop(tenant, request_id)
@@ -352,7 +358,10 @@ class RedisRequestRegistry:
         unreachable, or an owner that does not answer in time — the Cancel is refused as
         retryable (REDIS_UNAVAILABLE, CANCEL_NOT_CONFIRMED) rather than answered "not in flight"
         for a request that may still be running."""
-        if self._cancel_local(tenant, request_id):
+        # An id whose claim is still being decided here: this request is told (if it wins the
+        # claim it stops at once), and the router that may be running the id is asked as well.
+        tentative = (tenant, request_id) in self._claiming
+        if self._cancel_local(tenant, request_id) and not tentative:
             return True
         try:
             owner = await self._c.pipe.call("GET", self._c.key("rid", tenant, request_id))
@@ -361,11 +370,11 @@ class RedisRequestRegistry:
             raise Reason.REDIS_UNAVAILABLE.error("the Cancel cannot reach the other router processes "
                                                  "(Redis unreachable)") from None
         if owner is None:
-            return False
+            return tentative
         owner = owner.decode() if isinstance(owner, bytes) else str(owner)
-        if owner == self._c.router_id:  # ours, and it ended meanwhile
-            return False
-        return await self._ask(owner, tenant, request_id)
+        if owner == self._c.router_id:  # ours: the claim just landed, or it ended meanwhile
+            return tentative
+        return await self._ask(owner, tenant, request_id) or tentative
 
     async def _ask(self, owner: str, tenant: str, request_id: str) -> bool:
         try:

@@ -134,6 +134,9 @@ class LocalRequestRegistry:
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, str], list[Callable[[], None]]] = {}
+        # Held ids cancelled already: a stage that registers its callback later is told at once (a
+        # Cancel may come between the claim and the first registration).
+        self._cancelled: set[tuple[str, str]] = set()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -155,15 +158,18 @@ class LocalRequestRegistry:
 
     def drop(self, tenant: str, request_id: str) -> bool:
         """Forget the id; whether it was held."""
+        self._cancelled.discard((tenant, request_id))
         return self._held.pop((tenant, request_id), None) is not None
 
     def clear(self) -> None:
         self._held.clear()
+        self._cancelled.clear()
 
     def cancel_held(self, tenant: str, request_id: str) -> bool:
         callbacks = self._held.get((tenant, request_id))
         if callbacks is None:
             return False
+        self._cancelled.add((tenant, request_id))
         for callback in list(callbacks):
             callback()
         return True
@@ -181,3 +187,5 @@ class LocalRequestRegistry:
         callbacks = self._held.get((tenant, request_id))
         if callbacks is not None:
             callbacks.append(callback)
+            if (tenant, request_id) in self._cancelled:
+                callback()

@@ -286,3 +286,19 @@ async def test_a_full_queue_is_the_answer_before_the_id_claim_lands_and_the_clai
     c.admission.refuse = None
     events = await _drain(c.router.generate(TENANT, _inp(request_id="q")))    # the id is free again
     assert isinstance(events[-1], Done) and len(slow) == 0
+
+
+async def test_a_cancel_while_the_id_claim_is_answered_ends_the_request_without_engine_work() -> None:
+    # The id is held from the claim's first step; the request registered its cancel callback only
+    # once the claim came back, so a Cancel in between answered `cancelled` and the request ran on.
+    c = core()
+    registry = _SlowClaims()
+    c.router.ports.registry = registry
+    registry.gate.clear()
+    run = asyncio.ensure_future(_drain(c.router.generate(TENANT, _inp(request_id="r"))))
+    await poll(lambda: registry.holds(TENANT.name, "r"), what="the claim on its way")
+    assert await c.router.cancel(TENANT, "r")
+    registry.gate.set()
+    events = await asyncio.wait_for(run, 5)
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == "cancelled"
+    assert c.engines.replicas["e1"].submitted == [] and c.admission.held == set()

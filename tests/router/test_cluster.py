@@ -298,3 +298,50 @@ async def test_a_claim_that_follows_a_release_of_its_id_in_one_batch_keeps_the_i
     finally:
         await r.aclose()
     assert not await b.registry.claim("t", "x")        # a runs it: another router's duplicate is refused
+
+
+async def test_a_cancel_while_the_claim_is_in_flight_reaches_the_request(pair):
+    # The id is held here from the claim's first step, but the request registers its cancel
+    # callback only once the claim is answered: a Cancel in between answered `cancelled` and
+    # reached nothing, and the request ran to its end.
+    a, _ = pair
+    claiming = asyncio.ensure_future(a.registry.claim("t", "c"))
+    await asyncio.sleep(0)                                  # the claim is on its way to Redis
+    assert await a.registry.cancel("t", "c")
+    assert await claiming
+    called: list[str] = []
+    a.registry.on_cancel("t", "c", lambda: called.append("stage"))
+    assert called == ["stage"]                              # told at once: it was cancelled
+    await a.registry.release("t", "c")
+    assert await a.registry.claim("t", "c")                 # the id again: a new request, not cancelled
+    a.registry.on_cancel("t", "c", lambda: called.append("again"))
+    assert called == ["stage"]
+    await a.registry.release("t", "c")
+
+
+async def test_a_cancel_while_a_duplicate_claims_reaches_the_router_running_the_id(pair):
+    # b runs the id; a duplicate of it is being claimed on a. A Cancel on a must not stop at a's
+    # tentative entry (a's request will be refused): it reaches b's.
+    a, b = pair
+    assert await b.registry.claim("t", "d")
+    cancelled: list[bool] = []
+    b.registry.on_cancel("t", "d", lambda: cancelled.append(True))
+    claiming = asyncio.ensure_future(a.registry.claim("t", "d"))
+    await asyncio.sleep(0)
+    assert await a.registry.cancel("t", "d")
+    assert not await claiming
+    assert cancelled == [True]
+    await b.registry.release("t", "d")
+
+
+async def test_the_heartbeat_leaves_claims_in_flight_alone(pair):
+    # A claim still being decided (here: a duplicate of an id b holds) is not an id this router
+    # holds in Redis: the heartbeat counted it as "lost" to another router (a warning meant for
+    # duplicates admitted while Redis was unreachable).
+    a, b = pair
+    assert await b.registry.claim("t", "h")
+    claiming = asyncio.ensure_future(a.registry.claim("t", "h"))
+    await asyncio.sleep(0)
+    assert await a.heartbeat_once() == 0
+    assert not await claiming
+    await b.registry.release("t", "h")
