@@ -36,11 +36,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import datetime
 import hashlib
 import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import sys
@@ -71,9 +73,13 @@ ACTIONS = ("plain", "client_cancel", "deadline", "cancel_rpc", "duplicate", "cha
 UNTYPED = (grpc.StatusCode.INTERNAL.name, grpc.StatusCode.UNKNOWN.name)     # never a right answer
 REFUSED_BAD = {c.name for c in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                                 grpc.StatusCode.RESOURCE_EXHAUSTED)}
-# Marks the problems inferred from when this client saw messages (a busy client sees them late):
-# open, see docs/reliability.md "Mixed probe"; the CI test reports them without failing.
+# Marks the problems inferred from when this client saw messages (a busy client sees them late).
+# `settle` then reads the order of events server-side from the routers' logs: a finding the logs
+# explain is dropped (and listed), one they confirm is marked SERVER_TIMED; what they cannot
+# decide (lines missing, e.g. a killed router's) stays marked TIMED, which the CI test reports
+# without failing.
 TIMED = "[client-timed]"
+SERVER_TIMED = "[server-timed]"
 FAULT_WINDOW = 10.0    # seconds from a fault during which its own failures are allowed
 ROUTER_ARGS = ("--router-arg=--lease-ttl=3", "--router-arg=--lease-heartbeat=0.5")
 SIM_ARGS = ("--engine-arg=--sim-decode-step-time=0.004", "--tokenizer-arg=--chat-template=chatml")
@@ -135,9 +141,21 @@ def _generate(rid: str = "", max_tokens: int = 16, prompt: str = "", **fields: A
 
 
 @dataclass
+class Timed:
+    """A problem inferred from this client's clock, to be checked against the routers' logs."""
+
+    kind: str           # "duplicate": two requests of one id overlapped; "cancel": a Cancel said false
+    tenant: str
+    request_id: str
+    line: str           # its line in `Report.problems`
+
+
+@dataclass
 class Report:
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     problems: list[str] = field(default_factory=list)
+    timed: list[Timed] = field(default_factory=list)
+    settled: list[str] = field(default_factory=list)    # client-timed findings the logs explained
     calls: int = 0
     fault: str = ""              # "kill:router1", ... (`--fault`)
     fault_at: float = 0.0        # monotonic time it was injected (0: not yet, or none)
@@ -155,7 +173,7 @@ class Report:
             (p.partition("/")[2] and not p.startswith(UNTYPED)) or (lost and p == "UNAVAILABLE/")
             or p in ("done", "OK", "client-cancelled") for p in parts)
 
-    def note(self, action: str, ending: str, ok: bool, why: str = "") -> None:
+    def note(self, action: str, ending: str, ok: bool, why: str = "") -> str:
         """`ok`: the outcome is one the action allows. Refusals the load itself explains (the
         `flood` action fills tenant b's queue) are allowed to any action, and the fault's."""
         faulted = self._faulted(ending)
@@ -165,9 +183,14 @@ class Report:
         bad = ending.split("/")[0] in UNTYPED or (ending.endswith("/") and ending != "done")
         if (ending.startswith("DEADLINE_EXCEEDED/") and action == "deadline") or faulted:
             bad = False     # the client's own short deadline (no reason expected), or the fault's
-        if bad or not ok:
-            if len(self.problems) < 40:
-                self.problems.append(f"{action}: {ending} {why}".strip())
+        if (bad or not ok) and len(self.problems) < 40:
+            self.problems.append(f"{action}: {ending} {why}".strip())
+            return self.problems[-1]
+        return ""
+
+    def timed_finding(self, kind: str, tenant: str, request_id: str, line: str) -> None:
+        if line and TIMED in line:
+            self.timed.append(Timed(kind, tenant, request_id, line))
 
 
 class Probe:
@@ -242,9 +265,10 @@ class Probe:
         ended = seen.ending == "done" or seen.ending in UNDER_LOAD or (mine and seen.ending == "CANCELLED/CANCELLED")
         ok = ended and (acked or not was_cancelled) and not lost
         late = f"(a delta {1e3 * (seen.t_last_delta - t_answered):.0f} ms after the answer) {TIMED}" if lost else ""
-        self.report.note("cancel_rpc" + ("" if mine else "(only the other tenant)"),
-                         seen.ending + ("/cancelled" if seen.finish == CANCELLED else "")
-                         + (f" (Cancel said {acked})" if mine else ""), ok, seen.details + late)
+        line = self.report.note("cancel_rpc" + ("" if mine else "(only the other tenant)"),
+                                seen.ending + ("/cancelled" if seen.finish == CANCELLED else "")
+                                + (f" (Cancel said {acked})" if mine else ""), ok, seen.details + late)
+        self.report.timed_finding("cancel", "b", rid, line)
 
     async def duplicate(self) -> None:
         rid = self.rid()
@@ -263,7 +287,9 @@ class Probe:
             endings == ["done", "done"] and b.t_accepted > a.t_last_delta - 0.005)
         early_ms = 1e3 * (a.t_last_delta - b.t_accepted)
         overlap = "" if ok else f"(accepted {early_ms:.1f} ms before the other's last delta) {TIMED}"
-        self.report.note("duplicate(same tenant)", " + ".join(endings), ok, first.details + second.details + overlap)
+        line = self.report.note("duplicate(same tenant)", " + ".join(endings), ok,
+                                first.details + second.details + overlap)
+        self.report.timed_finding("duplicate", "a", rid, line)
         self.report.note("duplicate(other tenant)", other.ending, other.ending == "done", other.details)
 
     async def chat(self) -> None:
@@ -510,6 +536,67 @@ def logged_tracebacks(run_dir: pathlib.Path) -> list[str]:
     return found
 
 
+_LOG_LINE = re.compile(r"^(\S+Z) \[\w+\s*\] (request_done|cancel_answered) (.*)$")
+_FIELD = re.compile(r"(\w+)=(\S+)")
+
+
+def router_events(run_dir: pathlib.Path) -> dict[tuple[str, str], list[tuple[str, float, dict[str, str]]]]:
+    """Every router's `request_done` and `cancel_answered` lines, by (tenant, request id): the
+    event, its wall-clock time (one host: one clock) and its fields."""
+    out: dict[tuple[str, str], list[tuple[str, float, dict[str, str]]]] = collections.defaultdict(list)
+    for f in sorted(run_dir.rglob("router*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            m = _LOG_LINE.match(line)
+            if m is None:
+                continue
+            fields = dict(_FIELD.findall(m.group(3)))
+            when = datetime.datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
+            out[(fields.get("tenant", ""), fields.get("request_id", ""))].append((m.group(2), when, fields))
+    return out
+
+
+def _server_order(t: Timed, events: list[tuple[str, float, dict[str, str]]]) -> float | None:
+    """How long (s) before the later event the earlier one happened, server-side; negative when the
+    order is wrong; None when the logs cannot tell. Duplicate: the second request's claim of the id
+    after the first's end (its last delta written; its id is freed after that). Cancel: a Cancel
+    answered "not in flight" after its request's end."""
+    dones = [(when, fields) for event, when, fields in events if event == "request_done"]
+    if t.kind == "duplicate":
+        spans = []
+        for when, fields in dones:
+            if fields.get("claimed_ms", "None") == "None":
+                return None
+            arrival = when - float(fields["total_ms"]) / 1e3
+            spans.append((arrival + float(fields["claimed_ms"]) / 1e3, when))
+        if len(spans) != 2:
+            return None
+        (_, first_end), (second_claim, _) = sorted(spans)
+        return second_claim - first_end
+    answers = [when for event, when, fields in events
+               if event == "cancel_answered" and fields.get("cancelled") == "False"]
+    if len(dones) != 1 or not answers:
+        return None
+    return min(answers) - dones[0][0]
+
+
+def settle(report: Report, run_dir: pathlib.Path) -> None:
+    """Check each client-timed finding against the routers' logs (see TIMED)."""
+    events = router_events(run_dir)
+    for t in report.timed:
+        margin = _server_order(t, events[(t.tenant, t.request_id)])
+        if margin is None or t.line not in report.problems:
+            continue
+        i = report.problems.index(t.line)
+        what, end = (("the second claimed the id", "the first request's end") if t.kind == "duplicate"
+                     else ("the Cancel was answered", "its request's end"))
+        if margin > 0:
+            report.problems.pop(i)
+            report.settled.append(f"{t.line.replace(TIMED, '').strip()}: {what} {1e3 * margin:.1f} ms after "
+                                  f"{end}, in the routers' logs")
+        else:
+            report.problems[i] = t.line.replace(TIMED, f"{SERVER_TIMED}: {what} {-1e3 * margin:.1f} ms before {end}")
+
+
 def start(tmp: pathlib.Path, model: pathlib.Path, routers: int = 2, engines: int = 2) -> Any:
     """The probe's mesh (tests.meshkit.RunningMesh): two tenants, short leases, a paced sim."""
     from tests.meshkit import start_mesh
@@ -543,11 +630,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             rc = stop_mesh(mesh)
         tracebacks = logged_tracebacks(tmp / "run")
+        settle(report, tmp / "run")
         if args.keep:
             shutil.copytree(tmp / "run", args.keep, dirs_exist_ok=True)
     problems = report.problems + leftovers + tracebacks + ([] if rc == 0 else [f"tokenrelay up exited {rc}"])
     for outcome, n in sorted(report.outcomes.items()):
         print(f"{n:6d}  {outcome}")
+    for line in report.settled:
+        print("SETTLED", line)
     print(f"{report.calls} outcomes; {len(problems)} problems")
     for line in problems:
         print("PROBLEM", line)

@@ -124,7 +124,11 @@ class Router:
         # Another tenant's id is reported exactly like an unknown one: nothing leaks.
         if len(request_id) > MAX_REQUEST_ID:
             raise Reason.INVALID_REQUEST_ID.error(f"request_id longer than {MAX_REQUEST_ID}")
-        return await self.ports.registry.cancel(tenant.name, request_id)
+        cancelled = await self.ports.registry.cancel(tenant.name, request_id)
+        # When it was answered, and how: with each request's claim and end (request_done), the
+        # order of events for an id on every router (bench/probe_mix.py reads them).
+        log.info("cancel_answered", tenant=tenant.name, request_id=request_id, cancelled=cancelled)
+        return cancelled
 
     async def generate(self, tenant: Tenant, inp: GenerateInput, deadline: float | None = None,
                        t_arrival: float | None = None) -> AsyncIterator[Event]:
@@ -216,6 +220,7 @@ class Router:
         if not claimed:
             await abandon_early(tokenizing, early, state)
             raise Reason.DUPLICATE_REQUEST_ID.error(f"request id {state.request_id!r} is already in flight")
+        state.t_claimed = time.monotonic()
         self._live[state.key] = state
         done: Done | None = None
         ended = False

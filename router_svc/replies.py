@@ -108,7 +108,8 @@ def done_event(state: RequestState, metrics: RequestMetrics, merged: Merged | No
     metrics.done(reason, usage, timings)
     log.info("request_done", finish=reason, prompt_tokens=usage.prompt_tokens,
              completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
-             ttft_ms=round(timings.ttft_seconds * 1000, 2), total_ms=round(timings.total_seconds * 1000, 2))
+             ttft_ms=round(timings.ttft_seconds * 1000, 2), total_ms=round(timings.total_seconds * 1000, 2),
+             claimed_ms=round((state.t_claimed - state.t_arrival) * 1000, 2) if state.t_claimed else None)
     return Done(reason, usage, timings, stop_reason)  # type: ignore[arg-type]
 
 

@@ -42,6 +42,7 @@ class RequestState:
     engine_done: bool = False
     finish_reason: str = "length"
     t_tokenized: float = 0.0
+    t_claimed: float = 0.0                # when its id claim was answered (0: not claimed)
     t_admitted: float = 0.0
     t_first: float | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
