@@ -125,6 +125,18 @@ class PromptEstimate:
         return max(1, round(self._ratio[kind] * chars))
 
 
+class _Held:
+    """One held id: its stages' cancel callbacks, and whether it was cancelled already (a stage
+    that registers later is told at once: a Cancel may come between the claim and the first
+    registration)."""
+
+    __slots__ = ("callbacks", "cancelled")
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+        self.cancelled = False
+
+
 class LocalRequestRegistry:
     """`ports.RequestRegistry` for one router process: (tenant, id) → cancel callbacks.
 
@@ -134,10 +146,7 @@ class LocalRequestRegistry:
     remote = False      # claims are answered here, at once
 
     def __init__(self) -> None:
-        self._held: dict[tuple[str, str], list[Callable[[], None]]] = {}
-        # Held ids cancelled already: a stage that registers its callback later is told at once (a
-        # Cancel may come between the claim and the first registration).
-        self._cancelled: set[tuple[str, str]] = set()
+        self._held: dict[tuple[str, str], _Held] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -151,7 +160,7 @@ class LocalRequestRegistry:
         key = (tenant, request_id)
         if key in self._held:
             return False
-        self._held[key] = []
+        self._held[key] = _Held()
         return True
 
     def holds(self, tenant: str, request_id: str) -> bool:
@@ -159,19 +168,17 @@ class LocalRequestRegistry:
 
     def drop(self, tenant: str, request_id: str) -> bool:
         """Forget the id; whether it was held."""
-        self._cancelled.discard((tenant, request_id))
         return self._held.pop((tenant, request_id), None) is not None
 
     def clear(self) -> None:
         self._held.clear()
-        self._cancelled.clear()
 
     def cancel_held(self, tenant: str, request_id: str) -> bool:
-        callbacks = self._held.get((tenant, request_id))
-        if callbacks is None:
+        held = self._held.get((tenant, request_id))
+        if held is None:
             return False
-        self._cancelled.add((tenant, request_id))
-        for callback in list(callbacks):
+        held.cancelled = True
+        for callback in list(held.callbacks):
             callback()
         return True
 
@@ -185,8 +192,8 @@ class LocalRequestRegistry:
         return self.cancel_held(tenant, request_id)
 
     def on_cancel(self, tenant: str, request_id: str, callback: Callable[[], None]) -> None:
-        callbacks = self._held.get((tenant, request_id))
-        if callbacks is not None:
-            callbacks.append(callback)
-            if (tenant, request_id) in self._cancelled:
+        held = self._held.get((tenant, request_id))
+        if held is not None:
+            held.callbacks.append(callback)
+            if held.cancelled:
                 callback()
