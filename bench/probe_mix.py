@@ -613,17 +613,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--fault", default="", help="at half time: kill:NAME (SIGKILL) or stop:NAME (SIGSTOP 3 s), NAME "
-                   "a service of the mesh (router1, engine1, tokenizer0, redis)")
+                   "a service of the mesh (router, router1, engine, engine1, tokenizer, redis)")
     p.add_argument("--actions", default=",".join(ACTIONS), help="the actions to draw from, comma-separated")
     p.add_argument("--keep", default="", help="copy the mesh's logs to this directory")
     p.add_argument("--json", default="", help="write the outcomes and problems here")
     args = p.parse_args(argv)
+    how, _, fault_name = args.fault.partition(":")
+    if args.fault and (how not in ("kill", "stop") or not fault_name):
+        p.error(f"--fault {args.fault!r}: give kill:NAME or stop:NAME")
     from tests.meshkit import stop_mesh
     from tests.tiny_model import build_model
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = pathlib.Path(tmp_s)
         mesh = start(tmp, build_model(tmp / "model"), args.routers, args.engines)
         try:
+            services = sorted(json.loads((tmp / "state.json").read_text())["services"])
+            if args.fault and fault_name not in services:
+                p.error(f"--fault {args.fault!r}: no service {fault_name!r} in this mesh ({', '.join(services)})")
             report, leftovers = asyncio.run(probe_mesh(mesh.state, args.seconds, args.workers, args.seed,
                                                        args.fault, tmp / "state.json",
                                                        tuple(args.actions.split(","))))
