@@ -44,14 +44,23 @@ class Inbound:
 # changed; the first message and a change of health always carry one).
 LOAD_REPORT_INTERVAL = 0.05
 
+# Seconds a stream that holds requests may go without a message: a request queued behind the batch
+# (the KV cache full) sends nothing until it runs, and a router takes a silent stream for a stalled
+# engine after its progress timeout (10 s by default). An empty message says the engine is alive.
+KEEPALIVE_INTERVAL = 1.0
+
 # (load, draining, health, stats): ``draining`` is True whenever the engine takes no new work
 # (draining or dead), which is what routers that predate ``health`` read.
 LoadReport = tuple[LoadSnapshot, bool, HealthState, IterationStats]
 
 
 class StreamSession:
-    def __init__(self, engine: Engine, load_interval: float = LOAD_REPORT_INTERVAL) -> None:
+    def __init__(self, engine: Engine, load_interval: float = LOAD_REPORT_INTERVAL,
+                 keepalive: float = KEEPALIVE_INTERVAL) -> None:
         self._engine = engine
+        self._keepalive = keepalive
+        self._sent_at = time.monotonic()
+        self._ticker: asyncio.TimerHandle | None = None
         self._load_interval = load_interval
         self._load_at = -1e18
         self._load_last: LoadReport | None = None
@@ -134,18 +143,33 @@ class StreamSession:
         self._reader = asyncio.create_task(self._read(inbound), name="engine-stream-reader")
         self._reader.add_done_callback(_note_reader_end)
         unregister = self._engine.on_health_change(self.outbox.wake)
+        self._ticker = asyncio.get_running_loop().call_later(self._keepalive, self._tick)
         try:
             while True:
                 await self.outbox.wait()
                 chunks = self.outbox.drain()
-                if chunks or self._health_unreported():   # a drain or a death is told even with no tokens
+                # a drain or a death is told even with no tokens; a stream holding requests that
+                # sent nothing for `keepalive` seconds sends an empty message (KEEPALIVE_INTERVAL)
+                if chunks or self._health_unreported() or (
+                        self._live and time.monotonic() - self._sent_at >= self._keepalive):
+                    self._sent_at = time.monotonic()
                     yield chunks
                 if ((self._inbound_done or self._engine.health is not HealthState.SERVING) and not self._live
                         and self.outbox.empty):
                     break
         finally:
+            if self._ticker is not None:
+                self._ticker.cancel()
             unregister()
             self.close()
+
+    def _tick(self) -> None:
+        """Once per `keepalive`: wake the writer when the stream holds requests and is due a message."""
+        if self._closed:
+            return
+        if self._live and time.monotonic() - self._sent_at >= self._keepalive:
+            self.outbox.wake()
+        self._ticker = asyncio.get_running_loop().call_later(self._keepalive, self._tick)
 
     def close(self) -> None:
         """Abort what is still live (idempotent; also called when the RPC ends)."""

@@ -49,6 +49,9 @@ class EnginesAdapter:
     def mark_failed(self, address: str) -> None:
         self.pool.mark_failed(address)
 
+    def heard(self, address: str) -> float:
+        return self.pool.heard(address)  # type: ignore[no-any-return]
+
 
 # ------------------------------------------------------------------------------------ detokenizer
 class _DetokSession:

@@ -109,9 +109,11 @@ class RoutingSettings(Section):
                                         "new engine tokens so they travel on together: at most one delta per "
                                         "request per interval under load, none held when idle (0 = never)")
     engine_progress_timeout: float = Field(
-        10.0, gt=0, le=600, description="seconds an engine may send nothing for a request: before the first "
-                                        "token the attempt counts as broken (retried on another replica), after "
-                                        "it the request fails with ENGINE_STALLED")
+        10.0, gt=0, le=600, description="seconds an engine may send nothing for a request while its stream is "
+                                        "silent too (engines send a keepalive every second while they hold "
+                                        "requests, so a request queued inside a live engine waits): before the "
+                                        "first token the attempt counts as broken (retried on another replica), "
+                                        "after it the request fails with ENGINE_STALLED")
 
     @model_validator(mode="after")
     def _backoffs(self) -> RoutingSettings:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from opentelemetry import trace
@@ -191,7 +191,7 @@ class EngineStage:
                        trace_ctx: Context | None) -> None:
         phase = _tracer.start_span("prefill", context=trace_ctx)
         prefilling = True
-        watchdog = _Watchdog(self.progress_timeout)
+        watchdog = _Watchdog(self.progress_timeout, lambda: self.engines.heard(address))
         prompt, sampling = state.continuation()   # migrated: from everything already streamed
         state.engine_done = False     # a new attempt: its work is there to abort until it ends
         sinkable = False
@@ -287,18 +287,21 @@ def _session_moved(state: RequestState, held: str, snapshots: Sequence[ReplicaSn
 class _Watchdog:
     """The progress timeout of one attempt at no cost per chunk: the reader stamps `last`; a
     timer that wakes once per `timeout` cancels the reading task when nothing came for that
-    long (an `asyncio.timeout` per chunk cost ~14% of the core's CPU)."""
+    long (an `asyncio.timeout` per chunk cost ~14% of the core's CPU) and the replica's stream
+    was silent too (`heard`: a request queued inside a live engine waits its turn, it is not a
+    stall; the engine's keepalive and the other requests' tokens show the engine is alive)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, heard: Callable[[], float] = lambda: 0.0) -> None:
         self.loop = asyncio.get_running_loop()
         self.timeout = timeout
+        self._heard = heard
         self.last = self.loop.time()
         self.task = asyncio.current_task()
         self.fired = False
         self._handle = self.loop.call_at(self.last + timeout, self._check)
 
     def _check(self) -> None:
-        due = self.last + self.timeout
+        due = max(self.last, self._heard()) + self.timeout
         if self.loop.time() >= due:
             self.fired = True
             if self.task is not None:

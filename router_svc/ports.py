@@ -140,6 +140,12 @@ class EngineStream(Protocol):
         work, until its next success)."""
         ...
 
+    def heard(self, address: str) -> float:
+        """Event-loop time of the last message this router received from the replica on its stream
+        (tokens of any request, a load report, the engine's keepalive); 0 if none. A request the
+        engine holds but has sent nothing for is stalled only when the whole stream is silent."""
+        ...
+
 
 class PoolSelector(Protocol):
     """Which engine pool serves a request (a weighted traffic split, sticky per tenant or session)."""

@@ -434,6 +434,11 @@ class EnginePool:
         if found is not None:
             found.failed()
 
+    def heard(self, address: str) -> float:
+        """Loop time of the last message from the replica's stream (0: none, or it has left)."""
+        found = self._find(address)
+        return found.mux.last_received if found is not None else 0.0
+
     # -- ports.EngineStream --------------------------------------------------------------------
     def snapshots(self) -> list[ReplicaSnapshot]:
         return [r.snapshot() for r in self._by_address.values()]

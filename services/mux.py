@@ -251,6 +251,7 @@ class MuxClient(Generic[Item]):
         self._closed = False
         self.messages_sent = 0
         self.messages_received = 0
+        self.last_received = 0.0   # loop time of the last message received (0: none yet)
         self.items_received = 0
 
     # -- request side -------------------------------------------------------------------------
@@ -309,6 +310,7 @@ class MuxClient(Generic[Item]):
         try:
             async for response in call:
                 self.messages_received += 1
+                self.last_received = loop.time()
                 self._waker.probe(loop)
                 if self._on_message is not None:
                     self._on_message(response)

@@ -73,3 +73,51 @@ async def test_closing_a_session_aborts_what_it_carries() -> None:
         await stream.aclose()
     finally:
         await engine.close()
+
+
+async def test_a_stream_whose_requests_wait_behind_the_batch_sends_keepalives() -> None:
+    # A request queued in the engine (the KV cache full) sends nothing until it runs; without a
+    # message its router took the silent stream for a stalled engine after its progress timeout.
+    engine = Engine(SimBackend(fast_sim(decode_step_time=0.05, num_blocks=4, tokens_per_block=4)), max_queued=10)
+    await engine.start()
+    try:
+        hold = asyncio.Event()
+
+        async def inbound(*requests: object) -> AsyncIterator[Inbound]:
+            yield Inbound(submit=list(requests))  # type: ignore[arg-type]
+            await hold.wait()
+
+        busy = StreamSession(engine)
+        running = busy.run(inbound(req("runs", [1], 12)))
+        assert await anext(running)                     # "runs" holds the whole KV cache
+        waiting = StreamSession(engine, keepalive=0.05)
+        idle = StreamSession(engine, keepalive=0.05)
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[float, list[object]]] = []
+
+        async def read_waiting() -> None:
+            async for chunks in waiting.run(inbound(req("waits", [2], 4))):
+                seen.append((loop.time(), chunks))
+                if any(c.token_ids for c in chunks):
+                    return
+        idle_seen: list[object] = []
+
+        async def read_idle() -> None:
+            async for chunks in idle.run(inbound()):
+                idle_seen.append(chunks)
+        idle_task = asyncio.ensure_future(read_idle())
+        reader = asyncio.ensure_future(read_waiting())
+        await asyncio.sleep(0.3)
+        assert not reader.done() and engine.load().queued == 1, "the second request did not wait"
+        empties = [t for t, chunks in seen if not chunks]
+        assert len(empties) >= 3, f"{len(empties)} keepalives in 0.3 s at a 0.05 s interval"
+        assert idle_seen == [], "a stream with no requests sends nothing"
+        async for chunks in running:                     # let "runs" finish: "waits" runs then
+            if any(c.finished for c in chunks):
+                break
+        await asyncio.wait_for(reader, 5)
+        idle_task.cancel()
+        busy.close(), waiting.close(), idle.close()
+    finally:
+        hold.set()
+        await engine.close()

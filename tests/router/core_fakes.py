@@ -190,6 +190,9 @@ class FakeEngines:
         self.failed.append(address)
         self.replicas[address].healthy = False
 
+    def heard(self, address: str) -> float:
+        return 0.0   # the fakes' streams carry nothing besides the request's own chunks
+
 
 class FakeGrant:
     def __init__(self, admission: FakeAdmission, key: tuple[str, str]) -> None:

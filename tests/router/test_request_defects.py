@@ -65,7 +65,7 @@ def _md(key: str = "key-a") -> tuple[tuple[str, str], ...]:
 @contextlib.asynccontextmanager
 async def router_mesh(
     tmp_path: pathlib.Path, redis_url: str, *, mute: MuteEngine | None = None, with_sim: bool = False,
-    **options: Any,
+    sim_overrides: dict[str, Any] | None = None, **options: Any,
 ) -> AsyncIterator[tuple[inference_pb2_grpc.InferenceStub, Admission, Any]]:
     tok = TokenizerApp(TokenizerSettings(tokenizer=str(build_bytelevel(tmp_path / "tok")), port=0,
                                          workers=1, shutdown_grace=0.2))
@@ -81,7 +81,8 @@ async def router_mesh(
     if mute is None or with_sim:
         engine, server = await start_engine(EngineSettings(
             sim_prefill_time_per_token=0.0, sim_decode_step_time=0.01, sim_decode_time_per_seq=0.0,
-            sim_vocab_size=600, sim_max_context=512, sim_eos_probability=0.0))
+            sim_vocab_size=600, sim_max_context=512, sim_eos_probability=0.0,
+            **{f"sim_{k}": v for k, v in (sim_overrides or {}).items()}))
         await wait_healthy(server.address, timeout=10)
         stops += [lambda: server.stop(0), engine.close]
         addresses.append(server.address)
@@ -256,3 +257,16 @@ async def test_a_per_turn_error_fails_that_turn_only(tmp_path: pathlib.Path, red
         assert [(e.code, e.reason, e.request_id) for e in errors] == [
             ("INVALID_ARGUMENT", "TURN_IN_PROGRESS", ""), ("INVALID_ARGUMENT", "EMPTY_PROMPT", "")]
         assert seen.count("done") == 2 and seen.count("accepted") == 2   # the first and the third turns ran
+
+
+async def test_a_request_queued_inside_a_live_engine_is_not_taken_for_a_stalled_engine(
+        tmp_path: pathlib.Path, redis_url: str) -> None:
+    # Found by a client that stopped reading (2026-12-04): requests the engine queued behind its
+    # batch for longer than the progress timeout failed with UNAVAILABLE ENGINE_STALLED while the
+    # engine streamed other requests' tokens on the same stream. Here the engine runs one request at
+    # a time by its KV cache (~0.6 s each) and the progress timeout is 0.3 s: the second waits its turn and is served.
+    async with router_mesh(tmp_path, redis_url, progress_timeout=0.3, sim_overrides={"num_blocks": 3}) as (
+            stub, _, _):
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            *(_outcome(stub, _req(f"queued-{i}", max_tokens=60), timeout=None) for i in range(3))), 20)
+        assert outcomes == ["done", "done", "done"]
