@@ -148,10 +148,8 @@ class StreamSession:
             while True:
                 await self.outbox.wait()
                 chunks = self.outbox.drain()
-                # a drain or a death is told even with no tokens; a stream holding requests that
-                # sent nothing for `keepalive` seconds sends an empty message (KEEPALIVE_INTERVAL)
-                if chunks or self._health_unreported() or (
-                        self._live and time.monotonic() - self._sent_at >= self._keepalive):
+                # a drain or a death is told even with no tokens, and a keepalive with none
+                if chunks or self._health_unreported() or self._keepalive_due():
                     self._sent_at = time.monotonic()
                     yield chunks
                 if ((self._inbound_done or self._engine.health is not HealthState.SERVING) and not self._live
@@ -163,11 +161,15 @@ class StreamSession:
             unregister()
             self.close()
 
+    def _keepalive_due(self) -> bool:
+        """The stream holds requests and sent nothing for `keepalive` seconds (KEEPALIVE_INTERVAL)."""
+        return bool(self._live) and time.monotonic() - self._sent_at >= self._keepalive
+
     def _tick(self) -> None:
-        """Once per `keepalive`: wake the writer when the stream holds requests and is due a message."""
+        """Once per `keepalive`: wake the writer when a keepalive is due."""
         if self._closed:
             return
-        if self._live and time.monotonic() - self._sent_at >= self._keepalive:
+        if self._keepalive_due():
             self.outbox.wake()
         self._ticker = asyncio.get_running_loop().call_later(self._keepalive, self._tick)
 

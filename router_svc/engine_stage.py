@@ -291,7 +291,7 @@ class _Watchdog:
     was silent too (`heard`: a request queued inside a live engine waits its turn, it is not a
     stall; the engine's keepalive and the other requests' tokens show the engine is alive)."""
 
-    def __init__(self, timeout: float, heard: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, timeout: float, heard: Callable[[], float]) -> None:
         self.loop = asyncio.get_running_loop()
         self.timeout = timeout
         self._heard = heard
