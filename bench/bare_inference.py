@@ -12,7 +12,7 @@ Nothing else: no interceptor, no auth, no tokenizer, no engine, no Redis.
 It binds its port with grpc directly on purpose (a baseline of bare grpcio; tests/test_channels.py
 allows it).
 
-    python bench/bare_inference.py --port-file /tmp/bare.port [--step-ms 0]
+    python bench/bare_inference.py --port-file /tmp/bare.port [--step-ms 0] [--event-loop uvloop]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import grpc
 
+from services.eventloop import run
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 
@@ -86,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port-file", required=True, help="where the bound port is written")
     p.add_argument("--step-ms", type=float, default=0.0, help="the ticker's period: one delta per stream per tick "
                    "(0: every turn of the event loop)")
+    p.add_argument("--event-loop", choices=["asyncio", "uvloop", "auto"], default="asyncio",
+                   help="the loop it runs on (services/eventloop.py): the floor of grpc.aio on either loop")
     args = p.parse_args(argv)
-    asyncio.run(serve(args.port_file, args.step_ms))
+    run(serve(args.port_file, args.step_ms), args.event_loop)
     return 0
 
 

@@ -244,7 +244,8 @@ def start_mesh(args: argparse.Namespace, procs: Procs) -> Mesh:
     if "bare" in args.targets:   # on the router's CPU: the same core's floor
         bare_port = procs.work / "bare.port"
         procs.spawn("bare", [sys.executable, str(pathlib.Path(__file__).resolve().parent / "bare_inference.py"),
-                             "--port-file", str(bare_port), "--step-ms", str(args.bare_step_ms)],
+                             "--port-file", str(bare_port), "--step-ms", str(args.bare_step_ms),
+                             "--event-loop", args.bare_event_loop],
                     router_cpus[:1])
         bare, bare_pid = procs.wait_port("bare", bare_port), procs.procs["bare"].pid
     metrics = [f"http://127.0.0.1:{(procs.work / f'{name}.metrics-port').read_text().strip()}/metrics"
@@ -591,6 +592,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-seq-us", type=float, default=0.0, help="the sim's extra step time per running request (µs)")
     p.add_argument("--bare-step-ms", type=float, default=0.0, help="--targets bare: its ticker's period (ms); 0 = "
                    "every turn of its event loop, flat out (saturated, as a router busy with one-token deltas)")
+    p.add_argument("--bare-event-loop", choices=["asyncio", "uvloop", "auto"], default="asyncio",
+                   help="--targets bare: the bare server's event loop (the routers': --router-arg=--event-loop=...)")
     p.add_argument("--calibrated", action="store_true", help="the sim's defaults instead of fast steps: one H200 "
                    "running Llama 3.1 8B FP8 (batch 256, 2.5 ms + 8 µs/seq steps, 18 µs/prompt token)")
     p.add_argument("--routers", type=int, default=1, help="router processes (clients spread over them)")

@@ -4,7 +4,8 @@
 # every service writing spans (TOKENRELAY_TRACE_FILE) for bench/ttft_breakdown.py.
 # On the lent GPU host (16 cores), from the repo root, with the service wheels carried in .whl/ and
 # redis-server (+ libs) in .r4dev/:  OUT=/some/dir TAG=after DUR=30 bash bench/ttft_pinned.sh
-# (TREE=dir runs the tree extracted there instead of this one; COMPARE=0 skips the --compare run.)
+# (TREE=dir runs the tree extracted there instead of this one; COMPARE=0 skips the --compare run, TRACED=0 the
+# traced one; the services' event loop follows TOKENRELAY_EVENT_LOOP, services/eventloop.py.)
 set -u
 OUT=${OUT:?set OUT to a directory for the outputs}
 TOP=$PWD; cd ${TREE:-.}; ROOT=$PWD
@@ -26,6 +27,7 @@ if [ "${COMPARE:-1}" = 1 ]; then
     --slo-ttft 0.5 --slo-itl 0.05 > $OUT/${TAG}_compare.txt 2>&1
   kill %1; wait
 fi
+[ "${TRACED:-1}" = 1 ] || { tail -25 $OUT/${TAG}_compare.txt; exit 0; }
 up /tmp/m2 TOKENRELAY_TRACE_FILE=/tmp/m2/spans.jsonl
 : > /tmp/m2/spans.jsonl
 taskset -c 8-11 $TR bench --workload chat-multiturn --state-file /tmp/m2/state.json --duration $DUR > $OUT/${TAG}_traced.txt 2>&1

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 from services.config import load_settings
+from services.eventloop import resolve, run
 from services.logging import configure_logging, get_logger
 
 from .app import serve
@@ -15,8 +15,8 @@ from .config import RouterSettings
 def main(argv: list[str] | None = None) -> None:
     settings = load_settings(RouterSettings, argv)
     configure_logging(settings.telemetry.log_level, settings.telemetry.log_format, service="router")
-    get_logger(__name__).info("settings", **settings.public())
-    asyncio.run(serve(settings))
+    get_logger(__name__).info("settings", event_loop_running=resolve(settings.server.event_loop), **settings.public())
+    run(serve(settings), settings.server.event_loop)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ sends many small messages (one token per request each) that queue in gRPC's buff
 message, every consumer runs its whole per-request path once per token, and the backlog grows.
 So the reader watches the loop three ways: the lag of its own wake-ups, the lag of a timed
 `call_soon` in each loop turn a message arrived in, and the loop's busy share over 50 ms windows
-(the time it does not wait in its selector, `services/loopidle.py`; on a loop without one, the
-process's CPU time). With the first alone, sinks taking every item left nothing to measure and the
+(the time it does not wait in its selector, `services/loopidle.py`; on a loop without one, such as
+uvloop, the loop thread's CPU time). With the first alone, sinks taking every item left nothing to measure and the
 lag stale at its idle value: a saturated router then relayed one token per client message and
 could not get out of that state. While the lag is below `_BUSY_LAG` and the loop not saturated,
 consumers are woken at once (the next loop turn: nothing waits when idle); once it is above,
@@ -178,8 +178,9 @@ class _Waker:
         window = self._window
         if window is None or now - window[0] >= _BUSY_WINDOW:
             idle = idle_seconds(loop)
-            # busy seconds so far: time not spent waiting in the selector; else the process's CPU time
-            busy = now - idle if idle is not None else time.process_time()
+            # busy seconds so far: time not spent waiting in the selector; else (uvloop) the loop
+            # thread's CPU time (the process's would count gRPC's poller thread too)
+            busy = now - idle if idle is not None else time.thread_time()
             if window is not None:
                 self.saturated = busy - window[1] >= _BUSY_SHARE * (now - window[0])
             self._window = (now, busy)

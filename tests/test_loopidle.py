@@ -59,11 +59,11 @@ class _FakeLoop:
 
 
 @pytest.mark.parametrize("cpu_per_window,saturated", [(0.059, True), (0.02, False)])
-def test_without_a_meter_the_waker_falls_back_to_the_process_cpu_time(
+def test_without_a_meter_the_waker_falls_back_to_the_loop_threads_cpu_time(
         monkeypatch: pytest.MonkeyPatch, cpu_per_window: float, saturated: bool) -> None:
     cpu = iter(i * cpu_per_window for i in range(10))
     monkeypatch.setattr(mux, "idle_seconds", lambda loop: None)
-    monkeypatch.setattr(mux.time, "process_time", lambda: next(cpu))
+    monkeypatch.setattr(mux.time, "thread_time", lambda: next(cpu))
     waker, loop = mux._Waker(0.02), _FakeLoop()
     for _ in range(3):
         waker._probed(loop, loop.now)             # type: ignore[arg-type]  # a probe with no lag
