@@ -10,7 +10,11 @@ import pathlib
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
+from typing import Any
 
+from services.client import Finished, TextDelta
+from services.errors import Cancelled
 from services.grpc_util import wait_healthy
 from tests.waiting import poll
 from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
@@ -83,3 +87,23 @@ class Procs:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+
+
+async def first_delta(stream: AsyncIterator[Any]) -> None:
+    """Read a client stream up to its first text delta."""
+    async for event in stream:
+        if isinstance(event, TextDelta):
+            return
+
+
+async def outcome(stream: AsyncIterator[Any], timeout: float = 10) -> str:
+    """How a client stream ends: its finish reason, ``cancelled`` (a Cancelled status), or ``no done``."""
+    async def rest() -> str:
+        async for event in stream:
+            if isinstance(event, Finished):
+                return event.finish_reason
+        return "no done"
+    try:
+        return await asyncio.wait_for(rest(), timeout)
+    except Cancelled:
+        return "cancelled"

@@ -5,13 +5,11 @@ end, a Cancel from a second connection, a bad request typed. Every other e2e tes
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from services.client import Client, Finished, TextDelta
-from services.errors import Cancelled, InvalidArgument
-from tests.e2e.prockit import KEYS, Procs
+from services.client import Client
+from services.errors import InvalidArgument
+from tests.e2e.prockit import KEYS, Procs, first_delta, outcome
 
 pytest.importorskip("uvloop")
 
@@ -30,21 +28,9 @@ async def test_the_mesh_serves_on_either_loop(loop: str, tmp_path, redis_url, mo
             done = await a.generate("hello", max_tokens=12, ignore_eos=True)
             assert done.finished.completion_tokens == 12 and done.text
             stream = a.stream("hold on", max_tokens=5000, ignore_eos=True, request_id="long")
-            async for event in stream:
-                if isinstance(event, TextDelta):
-                    break
+            await first_delta(stream)
             assert await b.cancel("long") is True
-
-            async def rest() -> str:
-                async for event in stream:
-                    if isinstance(event, Finished):
-                        return event.finish_reason
-                return "no done"
-            try:
-                outcome = await asyncio.wait_for(rest(), 10)
-            except Cancelled:
-                outcome = "cancelled"
-            assert outcome == "cancelled"
+            assert await outcome(stream) == "cancelled"
             with pytest.raises(InvalidArgument):
                 await a.generate("x", max_tokens=4, top_p=2.0)
     finally:

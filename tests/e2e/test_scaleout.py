@@ -25,9 +25,9 @@ import pytest
 
 from services.channels import CHANNEL_OPTIONS, open_channel
 from services.client import Client, Finished, TextDelta
-from services.errors import Cancelled, InvalidArgument, TokenrelayError
+from services.errors import InvalidArgument, TokenrelayError
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.e2e.prockit import KEYS, Procs
+from tests.e2e.prockit import KEYS, Procs, first_delta, outcome
 from tests.meshkit import scrape
 from tests.waiting import poll
 from tokenrelay_tools.cli.launcher import engine_argv
@@ -36,12 +36,6 @@ from tokenrelay_tools.cli.launcher import engine_argv
 async def _load(address: str) -> engine_pb2.LoadReport:
     async with open_channel(address) as channel:
         return await engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.LoadRequest(), timeout=5)
-
-
-async def _first_delta(stream) -> None:
-    async for event in stream:
-        if isinstance(event, TextDelta):
-            return
 
 
 @pytest.fixture
@@ -148,19 +142,10 @@ async def test_cancel_sent_to_another_router_process(two_routers):
     p = two_routers
     async with Client(p.addr["ra"], KEYS["t1"]) as a, Client(p.addr["rb"], KEYS["t1"]) as b:
         stream = a.stream("hold on", max_tokens=2000, ignore_eos=True, request_id="long-1")
-        await _first_delta(stream)                      # held by router ra
+        await first_delta(stream)                      # held by router ra
         assert await b.cancel("long-1") is True         # sent to router rb
 
-        async def rest() -> str:
-            async for event in stream:
-                if isinstance(event, Finished):
-                    return event.finish_reason
-            return "no done"
-        try:
-            outcome = await asyncio.wait_for(rest(), 10)
-        except Cancelled:
-            outcome = "cancelled"
-        assert outcome == "cancelled"
+        assert await outcome(stream) == "cancelled"
         assert await b.cancel("long-1") is False        # over: nothing left to cancel
 
 
@@ -169,7 +154,7 @@ async def test_request_ids_are_unique_across_routers_and_scoped_by_tenant(two_ro
     async with (Client(p.addr["ra"], KEYS["t1"]) as a, Client(p.addr["rb"], KEYS["t1"]) as b,
                 Client(p.addr["rb"], KEYS["t2"]) as other):
         stream = a.stream("first", max_tokens=2000, ignore_eos=True, request_id="shared-id")
-        await _first_delta(stream)
+        await first_delta(stream)
         with pytest.raises(InvalidArgument) as dup:       # same tenant, another router process
             await b.generate("second", max_tokens=4, request_id="shared-id")
         assert dup.value.reason == "DUPLICATE_REQUEST_ID"
@@ -187,7 +172,7 @@ async def test_after_a_router_crash_the_same_id_is_accepted_by_another(two_route
     p = two_routers
     async with Client(p.addr["ra"], KEYS["t1"]) as a, Client(p.addr["rb"], KEYS["t1"]) as b:
         stream = a.stream("doomed", max_tokens=2000, ignore_eos=True, request_id="retry-me")
-        await _first_delta(stream)
+        await first_delta(stream)
         p.procs["ra"].send_signal(signal.SIGKILL)  # dies holding the id (its key lives for the TTL)
         p.procs["ra"].wait(10)
         with pytest.raises(TokenrelayError):
@@ -204,7 +189,7 @@ async def test_a_session_sticks_to_its_engine_across_routers(two_routers):
     async with Client(p.addr["ra"], KEYS["t1"]) as a, Client(p.addr["rb"], KEYS["t1"]) as b:
         # Occupy e0 (the first choice of an idle router) so the session's first turn lands on e1.
         busy = a.stream("busy", max_tokens=2000, ignore_eos=True, request_id="busy")
-        await _first_delta(busy)
+        await first_delta(busy)
         assert (await _load(e0)).active_requests == 1
         first = await a.generate("turn 1", max_tokens=5, ignore_eos=True, session_id="sess-1")
         assert first.finished.completion_tokens == 5
@@ -275,7 +260,7 @@ async def test_a_draining_engines_work_is_retried_elsewhere(tmp_path, redis_url)
             # One long request on each engine: the router's next choice is e0 (ties go first) ...
             held = [client.stream("long", max_tokens=300, ignore_eos=True) for _ in range(2)]
             for s in held:
-                await _first_delta(s)
+                await first_delta(s)
             assert [(await _load(p.addr[e])).active_requests for e in ("e0", "e1")] == [1, 1]
             # ... which now drains: new submits refused in-band (SHUTTING_DOWN), then NOT_SERVING.
             # Requests sent as it starts meet the refusal (retried on e1); later ones are placed on

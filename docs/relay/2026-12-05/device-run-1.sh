@@ -2,7 +2,7 @@
 # Device run 1 of 2026-12-05: the services' event loop, asyncio against uvloop (services/eventloop.py), on
 # quiet cores, interleaved in one call: the relay at 256 streams (fast sim, one router core), one token per
 # message beside the bare grpc.aio server on the same loop, 3 routers against one simulated H200, and
-# chat-multiturn TTFT added (the router tokenizing and detokenizing itself, then the default).
+# chat-multiturn TTFT added (the router tokenizing and detokenizing itself), and scenario d's refusals (2 routers).
 set -u
 . bench/device_env.sh
 PIN="--router-cpus 0 --redis-cpus 1 --tokenizer-cpus 2 --engine-cpus 3 --client-cpus 4-14 --clients 11"
@@ -31,8 +31,8 @@ for L in asyncio uvloop; do
   el "ttft local $L"; grep -E "^TTFT p(50|99)|^server TTFT p|added" $W/local_${L}_compare.txt | head -8
 done
 for L in asyncio uvloop; do
-  TOKENRELAY_EVENT_LOOP=$L OUT=$W TAG=default_$L DUR=20 TRACED=0 timeout 75 bash bench/ttft_pinned.sh \
-    > $W/ttft_default_$L.log 2>&1
-  el "ttft default $L"; grep -E "^TTFT p(50|99)|^server TTFT p|added" $W/default_${L}_compare.txt | head -8
+  timeout 80 python3 bench/bench_fairness.py --scenario d --routers 2 --clients 4 --cpu-list 0-15 --seconds 6 \
+    --router-arg=--event-loop=$L --json $W/d_$L.json 2>&1 | grep -v warning > $W/d_$L.txt
+  el "scenario d $L"; grep -E "capacity alone|^\| RESOURCE|^\| (goodput /|rejection|router CPU|refusals decided)" $W/d_$L.txt
 done
 tar czf $OUT/all.tgz -C $W .
