@@ -1,4 +1,6 @@
 #!/bin/bash
+# NOT RUN: written 2026-12-05; every call that session was refused ("no device machine could be started right now"), until
+# its device time was spent on the refusals. Kept for the next session that has a machine.
 # Device run 1 of 2026-12-05: the services' event loop, asyncio against uvloop (services/eventloop.py), on
 # quiet cores, interleaved in one call: the relay at 256 streams (fast sim, one router core), one token per
 # message beside the bare grpc.aio server on the same loop, 3 routers against one simulated H200, and scenario
