@@ -176,6 +176,7 @@ class Router:
                 log.info("request_cancelled_by_client")
             raise
         finally:
+            metrics.flush()
             IN_FLIGHT.labels(tenant.name).dec()
             structlog.contextvars.unbind_contextvars("request_id", "tenant", "trace_id")
             span.end()

@@ -1,17 +1,18 @@
 """The per-token relay path's shortcuts keep what they replace: the mux's sink (items taken
-without a hop, in order), the ITL histogram's fast observer, the in-place Delta responses, and
+without a hop, in order), the ITL histogram's batched observer, the in-place Delta responses, and
 the engine replica's once-per-message breaker success."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
 from router_svc.breaker import Breaker
-from router_svc.metrics import _fast_observer
+from router_svc.metrics import ITL, ITL_FLUSH_EVERY, RequestMetrics, _ItlBatch
 from router_svc.servicer import _delta_into, event_to_pb
 from router_svc.types import Delta
 from router_svc.upstreams import EngineReplica
@@ -49,23 +50,44 @@ async def test_a_sink_takes_items_in_order_and_what_it_declines_waits_in_the_inb
         await server.stop(None)
 
 
-def test_the_fast_itl_observer_counts_exactly_like_observe() -> None:
+def test_the_batched_itl_observer_counts_exactly_like_observe() -> None:
     registry = CollectorRegistry()
     plain = Histogram("plain", "h", ["t"], buckets=ITL_BUCKETS, registry=registry).labels("a")
-    fast_child = Histogram("fast", "h", ["t"], buckets=ITL_BUCKETS, registry=registry).labels("a")
-    fast = _fast_observer(fast_child)
-    assert fast != fast_child.observe     # prometheus_client's internals are as expected: the fast path runs
+    batched_child = Histogram("batched", "h", ["t"], buckets=ITL_BUCKETS, registry=registry).labels("a")
+    batch = _ItlBatch(batched_child)
+    assert batch._observe is None         # prometheus_client's internals are as expected: the batch path runs
     rng = random.Random(7)
     values = [*ITL_BUCKETS, 0.0, -1.0, 5.0, *(rng.random() * 0.3 for _ in range(500))]
-    for v in values:
-        plain.observe(v)
-        fast(v)
 
     def samples(name: str) -> dict[str, float]:
         return {f"{s.name.removeprefix(name)}{sorted(s.labels.items())}": s.value
                 for m in registry.collect() if m.name == name for s in m.samples if "created" not in s.name}
-    assert samples("plain") == samples("fast")
+    for i, v in enumerate(values, 1):
+        plain.observe(v)
+        batch.observe(v)
+        # what a scrape sees: every full batch, nothing of the one being counted
+        assert samples("batched")["_count[('t', 'a')]"] == i - i % ITL_FLUSH_EVERY
+    def same(a: dict[str, float], b: dict[str, float]) -> bool:
+        # every bucket and the count exactly; the sum up to float rounding (added in batches)
+        return a.keys() == b.keys() and all(a[k] == b[k] if not k.startswith("_sum") else math.isclose(a[k], b[k])
+                                            for k in a)
+    batch.flush()
+    assert same(samples("plain"), samples("batched"))
     assert len(samples("plain")) == len(ITL_BUCKETS) + 3   # every bucket, +Inf, count, sum
+    batch.flush()                                            # nothing left: adds nothing
+    assert same(samples("plain"), samples("batched"))
+
+
+def test_a_request_adds_its_counted_itl_samples_when_it_flushes() -> None:
+    metrics = RequestMetrics("itl-flush-tenant", 2)
+    child = ITL.labels("itl-flush-tenant", "normal")
+    before = child._sum.get()             # type: ignore[attr-defined]
+    metrics.first_token(0.0)
+    for i in range(1, 11):
+        metrics.delta(i * 0.01, 2)        # 10 deltas of 2 tokens, 10 ms apart: 5 ms per token
+    assert child._sum.get() == before     # type: ignore[attr-defined]  # fewer than a batch: still counted here
+    metrics.flush()
+    assert abs(child._sum.get() - before - 10 * 0.005) < 1e-9   # type: ignore[attr-defined]
 
 
 def test_delta_responses_built_in_place_equal_the_constructed_ones() -> None:
