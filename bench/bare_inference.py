@@ -27,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import grpc
 
-from services.eventloop import run
+from services.eventloop import LOOP_CHOICES, run
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port-file", required=True, help="where the bound port is written")
     p.add_argument("--step-ms", type=float, default=0.0, help="the ticker's period: one delta per stream per tick "
                    "(0: every turn of the event loop)")
-    p.add_argument("--event-loop", choices=["asyncio", "uvloop", "auto"], default="asyncio",
+    p.add_argument("--event-loop", choices=LOOP_CHOICES, default="asyncio",
                    help="the loop it runs on (services/eventloop.py): the floor of grpc.aio on either loop")
     args = p.parse_args(argv)
     run(serve(args.port_file, args.step_ms), args.event_loop)

@@ -61,6 +61,7 @@ import grpc
 import psutil
 
 from services.errors import REASON_KEY
+from services.eventloop import LOOP_CHOICES
 
 API_KEY = "trk-bench-relay"
 # The sim draws ids below --sim-vocab-size; the byte-level tokenizer's ids 32..126 are printable
@@ -592,7 +593,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-seq-us", type=float, default=0.0, help="the sim's extra step time per running request (µs)")
     p.add_argument("--bare-step-ms", type=float, default=0.0, help="--targets bare: its ticker's period (ms); 0 = "
                    "every turn of its event loop, flat out (saturated, as a router busy with one-token deltas)")
-    p.add_argument("--bare-event-loop", choices=["asyncio", "uvloop", "auto"], default="asyncio",
+    p.add_argument("--bare-event-loop", choices=LOOP_CHOICES, default="asyncio",
                    help="--targets bare: the bare server's event loop (the routers': --router-arg=--event-loop=...)")
     p.add_argument("--calibrated", action="store_true", help="the sim's defaults instead of fast steps: one H200 "
                    "running Llama 3.1 8B FP8 (batch 256, 2.5 ms + 8 µs/seq steps, 18 µs/prompt token)")

@@ -58,15 +58,14 @@ class _ItlBatch:
         bounds = getattr(child, "_upper_bounds", None)
         buckets = getattr(child, "_buckets", None)
         total = getattr(child, "_sum", None)
-        self._observe: Callable[[float], None] | None = None
-        if (not isinstance(bounds, list) or not isinstance(buckets, list) or len(bounds) != len(buckets)
-                or bounds[-1] != float("inf") or not hasattr(total, "inc")):
-            self._observe = child.observe
-            bounds, buckets = [float("inf")], []
-        self._bounds: list[float] = bounds
-        self._incs = [b.inc for b in buckets]
-        self._add_sum = total.inc if self._observe is None else None   # type: ignore[union-attr]
-        self._counts = [0] * len(bounds)
+        usable = (isinstance(bounds, list) and isinstance(buckets, list) and len(bounds) == len(buckets)
+                  and bounds[-1] == float("inf") and hasattr(total, "inc"))
+        # the fallback never counts a sample here (observe hands each to the child), so flush has none
+        self._observe: Callable[[float], None] | None = None if usable else child.observe
+        self._bounds: list[float] = bounds if usable else []   # type: ignore[assignment]
+        self._incs = [b.inc for b in buckets] if usable else []   # type: ignore[union-attr]
+        self._add_sum: Callable[[float], None] = total.inc if usable else child.observe   # type: ignore[union-attr]
+        self._counts = [0] * len(self._bounds)
         self._sum = 0.0
         self._n = 0
 
@@ -88,8 +87,7 @@ class _ItlBatch:
             if count:
                 self._incs[i](count)
                 counts[i] = 0
-        if self._add_sum is not None:
-            self._add_sum(self._sum)
+        self._add_sum(self._sum)
         self._sum, self._n = 0.0, 0
 
 

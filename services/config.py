@@ -45,7 +45,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 from pydantic_settings import TomlConfigSettingsSource, YamlConfigSettingsSource
 
-from services.eventloop import uvloop_available
+from services.eventloop import LoopChoice, LoopUnavailable, resolve
 from services.security import SecuritySettings
 
 S = TypeVar("S", bound="Settings")
@@ -102,15 +102,17 @@ class ServerSettings(Section):
     port: Port = Field(0, description="port to bind (0 = ephemeral; see --port-file)")
     port_file: str = Field("", description="once serving, write the bound port here (atomically)")
     shutdown_grace: float = Field(10.0, ge=0, description="seconds in-flight calls get to finish on SIGTERM")
-    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+    event_loop: LoopChoice = Field(
         "auto", description="the process's asyncio event loop: uvloop, the standard library's, or auto (uvloop when "
         "installed); docs/architecture.md, 'Event loop'", json_schema_extra=flag(env_fallback="TOKENRELAY_EVENT_LOOP"))
 
     @field_validator("event_loop")
     @classmethod
-    def _loop_installed(cls, value: str) -> str:
-        if value == "uvloop" and not uvloop_available():
-            raise ValueError("uvloop is not installed (pip install uvloop, or choose asyncio or auto)")
+    def _loop_installed(cls, value: LoopChoice) -> LoopChoice:
+        try:
+            resolve(value)       # the one rule: uvloop asked for and not installed
+        except LoopUnavailable as exc:
+            raise ValueError(str(exc)) from None
         return value
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 from collections.abc import Coroutine
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 T = TypeVar("T")
 LoopChoice = Literal["auto", "uvloop", "asyncio"]
+LOOP_CHOICES: tuple[LoopChoice, ...] = get_args(LoopChoice)
 
 
 class LoopUnavailable(RuntimeError):
@@ -55,9 +56,3 @@ def run(main: Coroutine[Any, Any, T], choice: LoopChoice) -> T:
 
         return uvloop.run(main)
     return asyncio.run(main)
-
-
-def running_loop_kind() -> str:
-    """``uvloop`` or ``asyncio``: what the running loop is (for logs and metrics)."""
-    loop = asyncio.get_running_loop()
-    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
