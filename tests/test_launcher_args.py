@@ -74,3 +74,53 @@ def test_routers_wait_out_a_cpu_prefill(monkeypatch) -> None:
     mesh = Mesh(MeshOptions(model=MODEL, engine="hf"))
     mesh.device = Device("cpu", 0, "")
     assert mesh.router_flags() == []                                   # the user's own setting wins
+
+
+def test_routers_tokenize_short_prompts_and_detokenize_in_process_unless_told_otherwise(monkeypatch) -> None:
+    for name in ("TOKENRELAY_ROUTER_DETOKENIZE", "TOKENRELAY_ROUTER_TOKENIZE_LOCAL_BYTES",
+                 "TOKENRELAY_TOKENIZER_CHAT_TEMPLATE"):
+        monkeypatch.delenv(name, raising=False)
+    local = ["--detokenize", "local", "--tokenize-local-bytes", "16384"]
+    assert Mesh(MeshOptions(model=MODEL, engine="sim")).local_tokenizer_flags() == local
+    # The user's flags come after these and win; a config file or template of theirs turns them off.
+    for router_args, tokenizer_args in ((["--config=r.yaml"], []), ([], ["--chat-template", "chatml"]),
+                                        ([], ["--config", "t.yaml"])):
+        mesh = Mesh(MeshOptions(model=MODEL, engine="sim", router_args=router_args, tokenizer_args=tokenizer_args))
+        assert mesh.local_tokenizer_flags() == [], (router_args, tokenizer_args)
+    monkeypatch.setenv("TOKENRELAY_ROUTER_DETOKENIZE", "tokenizer")
+    assert Mesh(MeshOptions(model=MODEL, engine="sim")).local_tokenizer_flags() == []
+
+
+# ---- the sim's replies with `up --engine sim`'s own tokenizer ----------------------------------------
+async def test_sim_replies_with_the_byte_tokenizer_re_tokenize_to_the_same_ids(tmp_path) -> None:
+    # Through the mesh a chat turn resends the last reply as text; with the sim drawing every id of the
+    # byte-level tokenizer (lone bytes of multi-byte UTF-8, the turn markers) that text came back as other
+    # ids, so the mesh's prompts hit the prefix cache less than the engine alone's (61% against 73%).
+    import asyncio
+
+    from tokenizers import Tokenizer
+
+    from engine_svc.backends.base import GenerationRequest
+    from engine_svc.backends.sim import SimBackend
+    from engine_svc.config import EngineSettings
+    from services.config import load_settings as parse
+    from tests.engine.engine_testkit import run_backend
+    from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
+    from tokenrelay_tools.cli.launcher import engine_args_for
+
+    model = ensure_byte_tokenizer(tmp_path)
+    flags = engine_args_for(model, "sim")
+    assert "--sim-sample-ids-from" in flags
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    for argv, round_trips in ((flags, True), (flags[:2], False)):       # flags[:2]: the vocabulary alone
+        sim = SimBackend(parse(EngineSettings, ["--backend", "sim", "--sim-profile", "instant", *argv]).sim)
+        await sim.start()
+        try:
+            reqs = [GenerationRequest(request_id=f"r{i}", prompt_token_ids=[40 + i], max_tokens=200,
+                                      temperature=1.0, seed=i) for i in range(10)]
+            out = await asyncio.wait_for(run_backend(sim, reqs), 30)
+        finally:
+            await sim.close()
+        same = [tok.encode(tok.decode(out.tokens(r.request_id), skip_special_tokens=False),
+                           add_special_tokens=False).ids == out.tokens(r.request_id) for r in reqs]
+        assert all(same) if round_trips else not any(same), argv

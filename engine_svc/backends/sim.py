@@ -10,11 +10,12 @@ paced on a virtual clock, so Python overhead is absorbed rather than added to th
 Each step reports what the cost model charged for it (prefill and decode seconds, batch size) to
 ``step_observer``: the step time the modelled GPU would take.
 
-Tokens are a deterministic function of (seed, prompt, position) over ``vocab_size``: each token is
-drawn from a rolling hash of the whole context (prompt + tokens so far), mixed with the seed. Like a
-greedy real model, resubmitting prompt + the tokens generated so far continues with the very same
-tokens (what a router's token migration relies on). Greedy requests (temperature 0) ignore the
-seed; sampled requests without a seed draw one at random.
+Tokens are a deterministic function of (seed, prompt, position) over ``vocab_size`` (or the range
+``sample_ids_from``..``sample_ids_below``): each token is drawn from a rolling hash of the whole
+context (prompt + tokens so far), mixed with the seed. Like a greedy real model, resubmitting
+prompt + the tokens generated so far continues with the very same tokens (what a router's token
+migration relies on). Greedy requests (temperature 0) ignore the seed; sampled requests without a
+seed draw one at random.
 With ``eos_probability`` > 0 a request emits its first EOS id with that probability per token.
 
 The cost model, its settings and the profiles it is calibrated to (the default: one H200 running
@@ -101,12 +102,12 @@ class _SimRequest:
         self.first = True
         self.alloc: Allocation | None = None
 
-    def next_token(self, vocab_size: int) -> int:
+    def next_token(self, first: int, span: int) -> int:
         x = mix64(self.state ^ self.seed_mix)
         if self.eos_threshold and (x >> (64 - _EOS_BITS)) < self.eos_threshold:
             token: int = self.eos  # type: ignore[assignment]
         else:
-            token = x % vocab_size
+            token = first + x % span
         self.state = ((self.state ^ token) * _FNV_PRIME) & _MASK64
         return token
 
@@ -320,14 +321,15 @@ class SimBackend(Backend):
     def _decode(self) -> None:
         """One token for every running request."""
         self.steps += 1
-        vocab = min(self.config.vocab_size, self.config.sample_ids_below or self.config.vocab_size)
+        first, below = self.config.sample_range()
+        span = below - first
         kv = self.kv
         finished: list[_SimRequest] = []
         for req in list(self._running.values()):
             alloc = req.alloc
             if alloc is None:
                 continue  # aborted by a sink earlier in this loop
-            token = req.next_token(vocab)
+            token = req.next_token(first, span)
             req.generated += 1
             self._context += 1
             kv.append_token(alloc, token)

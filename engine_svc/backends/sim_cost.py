@@ -84,6 +84,10 @@ class SimConfig(Section):
     sample_ids_below: int = Field(0, ge=0, description="generate only ids below this (0 = the whole vocabulary): "
                                                        "e.g. printable bytes of a byte-level tokenizer whose EOS "
                                                        "ids lie above them")
+    sample_ids_from: int = Field(0, ge=0, description="generate only ids from this one up (with "
+                                                      "--sim-sample-ids-below: a range, e.g. 32-127, the printable "
+                                                      "ASCII bytes of a byte-level tokenizer, whose text re-tokenizes "
+                                                      "to the same ids)")
     max_context: int = Field(8192, ge=1, description="model context (prompt + max_tokens)")
     prefill_time_per_token: float = Field(_DEFAULT["prefill_time_per_token"], ge=0,
                                           description="seconds per uncached prompt token")
@@ -110,6 +114,17 @@ class SimConfig(Section):
                 preset.update(_read_costs(str(data["profile_file"])))
             data = {**preset, **data}
         return data
+
+    @model_validator(mode="after")
+    def _id_range(self) -> SimConfig:
+        if self.sample_ids_from >= self.sample_range()[1]:
+            raise ValueError(f"sample_ids_from ({self.sample_ids_from}) must be below the ids generated "
+                             f"(sample_ids_below, else vocab_size: {self.sample_range()[1]})")
+        return self
+
+    def sample_range(self) -> tuple[int, int]:
+        """The ids generated: [from, below)."""
+        return self.sample_ids_from, min(self.vocab_size, self.sample_ids_below or self.vocab_size)
 
     def step_seconds(self, prefill_tokens: int, batch: int, context_tokens: int) -> tuple[float, float]:
         """(prefill seconds, decode seconds) the cost model charges for one step."""

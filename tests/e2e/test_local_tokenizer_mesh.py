@@ -79,7 +79,9 @@ async def test_short_prompts_tokenized_in_the_router_get_the_tokenizer_services_
             got = await both.generate(prompt, max_tokens=24, ignore_eos=True, return_token_ids=True)
             assert got.finished.prompt_tokens == want.finished.prompt_tokens, prompt
             assert (got.token_ids, got.text) == (want.token_ids, want.text), prompt
-        turns = ["hello there", "and a second turn, longer than the first one " * 2, "third"]
+        # The third turn takes the conversation past the 200-byte bound whether the 16-token replies
+        # are 16 bytes (printable ASCII ids) or 48 (lone bytes the detokenizer replaces).
+        turns = ["hello there", "and a second turn, longer than the first one " * 2, "a third turn " * 6]
         history, local_chats = [("system", "be brief")], 0
         async with remote.chat(system="be brief", session_id="s1") as a, both.chat(system="be brief",
                                                                                    session_id="s1") as b:

@@ -223,3 +223,14 @@ async def test_sim_sustains_tens_of_thousands_of_tokens_per_second(make_sim) -> 
     tokens = sum(out.count(r.request_id) for r in requests)
     assert tokens == 256 * 128
     assert tokens / elapsed > 20_000, f"{tokens / elapsed:.0f} tokens/s"
+
+
+async def test_generated_ids_stay_in_the_configured_range(make_sim) -> None:
+    backend = await make_sim(fast_sim(sample_ids_from=32, sample_ids_below=127))
+    reqs = [req(f"r{i}", [5, 6, i], 64, temperature=0.8, seed=i) for i in range(8)]
+    out = await run_backend(backend, reqs)
+    ids = [t for r in reqs for t in out.tokens(r.request_id)]
+    assert len(ids) == 8 * 64 and min(ids) >= 32 and max(ids) < 127
+    assert len(set(ids)) > 60                      # spread over the range, not stuck on a few ids
+    with pytest.raises(ValueError, match="sample_ids_from"):
+        fast_sim(sample_ids_from=1000)             # nothing left to generate (vocab_size 1000)

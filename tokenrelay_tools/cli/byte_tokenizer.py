@@ -24,6 +24,13 @@ EOS = "<|endoftext|>"
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
 SPECIALS = (EOS, TURN_START, TURN_END)        # ids 256, 257, 258
 MAX_CONTEXT = 8192                            # the sim engine's default context
+# The ids `up --engine sim` has the sim reply with: printable ASCII (space to "~"), one character per
+# token. Replies drawn from every id (bytes that are not UTF-8 on their own, the turn markers) come
+# back in the next turn's text as other ids, so the next prompt's prefix-cache hits were lower through
+# the mesh than for the engine alone replaying ids (61% against 73% in chat-multiturn): an artefact
+# that `tokenrelay bench --compare` counted as time the mesh adds. A real model's replies re-tokenize
+# mostly to themselves.
+REPLY_IDS = (32, 127)                         # [from, below)
 FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 _STAMP = "tokenrelay-build.json"
 _RECIPE = 2   # 2: the GPT-2 regex split (bounds the library's per-word cache; same ids)

@@ -51,6 +51,7 @@ from .supervisor import RestartPolicy, ServiceRecord, describe_exit
 
 CACHE = env.cache_root()
 DEFAULT_STATE = CACHE / "local.json"
+LOCAL_TOKENIZE_BYTES = 16384    # prompts up to this size are tokenized in the routers `up` starts
 
 
 @dataclass
@@ -249,6 +250,22 @@ class Mesh:
             return []
         return ["--engine-progress-timeout", "60" if self.prompt_cap else "600"]
 
+    def local_tokenizer_flags(self) -> list[str]:
+        """The routers of this one-host mesh detokenize, and tokenize prompts of up to 16 KB, in their
+        own process, from the files the tokenizer replicas serve (checked against them at start);
+        longer prompts go to the tokenizer service. Measured on the documented chat-multiturn load,
+        both on quiet cores and here: the time the mesh adds to the first token fell 1.1-2.4 ms at
+        p50, and one-token deltas cost the router less CPU (docs/benchmarks.md). The routers' own
+        variables, or a config file of theirs, win: then nothing is added; nor when the tokenizers
+        are given a config file or a chat template of their own (the routers would not know it)."""
+        def given(args: list[str], *flags: str) -> bool:
+            return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+        if (given(self.o.router_args, "--config") or given(self.o.tokenizer_args, "--config", "--chat-template")
+                or {"TOKENRELAY_ROUTER_DETOKENIZE", "TOKENRELAY_ROUTER_TOKENIZE_LOCAL_BYTES",
+                    "TOKENRELAY_TOKENIZER_CHAT_TEMPLATE"} & set(os.environ)):
+            return []
+        return ["--detokenize", "local", "--tokenize-local-bytes", str(LOCAL_TOKENIZE_BYTES)]
+
     def _engine_device(self, index: int) -> str:
         """The --hf-device this replica gets ("" = none: not hf, or the user passed one)."""
         if self.o.engine != "hf" or self.device.why.startswith("--engine-arg"):
@@ -260,11 +277,11 @@ class Mesh:
         than one, every router binds with SO_REUSEPORT, so they serve one address."""
         n = max(1, self.o.routers)
         tenants = self.o.tenants_file.resolve() if self.o.tenants_file else self._write_tenants()
-        # --tokenizer-files: what the tokenizers serve, for --router-arg=--detokenize=local.
+        # --tokenizer-files: what the tokenizers serve, for local (de)tokenization in the routers.
         argv = ["--tokenizers", ",".join(tok_addrs), "--engines", ",".join(eng_addrs),
                 "--tokenizer-files", str(self.o.model),
                 "--redis-url", self.redis_url, "--tenants-file", str(tenants),
-                *self.router_flags(), *self.o.router_args]
+                *self.router_flags(), *self.local_tokenizer_flags(), *self.o.router_args]
         if n > 1:
             argv.append("--reuse-port")
         first = await self._wait_port(*self._service("router", "router_svc", argv, port=self.o.port))
@@ -462,8 +479,14 @@ def engine_args_for(model: pathlib.Path, engine: str) -> list[str]:
         return []
     from tokenizers import Tokenizer
 
+    from .byte_tokenizer import REPLY_IDS, is_built
+
     tokenizer = model / "tokenizer.json" if model.is_dir() else model
     args = ["--sim-vocab-size", str(Tokenizer.from_file(str(tokenizer)).get_vocab_size())]
+    if model.is_dir() and is_built(model):
+        # `up --engine sim`'s own tokenizer: replies of printable ASCII, whose text re-tokenizes to the
+        # same ids, as a real model's replies mostly do (byte_tokenizer.REPLY_IDS).
+        args += ["--sim-sample-ids-from", str(REPLY_IDS[0]), "--sim-sample-ids-below", str(REPLY_IDS[1])]
     # The model's context, else the tokenizer's (a tokenizer-only directory, as `up --engine sim` makes).
     for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
         path = model / name
