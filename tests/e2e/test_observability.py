@@ -22,7 +22,10 @@ def traced_mesh(tmp_path_factory, model_dir):
     trace_file = tmp / "spans.jsonl"
     os.environ["TOKENRELAY_TRACE_FILE"] = str(trace_file)
     try:
-        mesh = start_mesh(tmp, model_dir, "sim", "--engine-arg=--sim-decode-step-time=0.002")
+        # The tokenizer service in every request's path (up's routers would (de)tokenize these short
+        # prompts themselves), so that one trace crosses all three services.
+        mesh = start_mesh(tmp, model_dir, "sim", "--engine-arg=--sim-decode-step-time=0.002",
+                          "--router-arg=--detokenize=tokenizer", "--router-arg=--tokenize-local-bytes=0")
     finally:
         del os.environ["TOKENRELAY_TRACE_FILE"]
     yield mesh, trace_file

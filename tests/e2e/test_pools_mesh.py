@@ -40,21 +40,31 @@ EOS = 256   # the byte tokenizer's first EOS id: every token canary sends
 
 
 
-def _tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
-    """The sim's greedy answer (its next_token with no seed and no EOS); canary's is all EOS."""
-    if vocab == 0:
+def _tokens(prompt: list[int], n: int, ids: tuple[int, int] | None) -> list[int]:
+    """The sim's greedy answer (its next_token with no seed and no EOS) over `ids` (first, count);
+    canary's (None) is all EOS."""
+    if ids is None:
         return [EOS] * n
+    first, count = ids
     state, out = context_state(prompt), []
     for _ in range(n):
-        out.append(mix64(state) % vocab)
+        out.append(first + mix64(state) % count)
         state = context_state(out[-1:], state)
     return out
 
 
+def _sim_ids(flags: list[str]) -> tuple[int, int]:
+    """The ids the sim generates with these flags (SimConfig.sample_range): (first, count)."""
+    given = dict(zip(flags[::2], flags[1::2], strict=True))
+    first = int(given.get("--sim-sample-ids-from", 0))
+    below = int(given.get("--sim-sample-ids-below", 0)) or int(given["--sim-vocab-size"])
+    return first, below - first
+
+
 class Mesh:
-    def __init__(self, procs: Procs, vocab: int) -> None:
+    def __init__(self, procs: Procs, ids: tuple[int, int]) -> None:
         self.p = procs
-        self.vocab = {"default": vocab, "mirror": vocab, "canary": 0}
+        self.vocab: dict[str, tuple[int, int] | None] = {"default": ids, "mirror": ids, "canary": None}
 
     def prompt(self, i: int) -> list[int]:
         """A prompt whose first greedy token on default is not canary's EOS (deterministic)."""
@@ -135,7 +145,7 @@ async def _ask(m: Mesh, requests: list[tuple[int, str]], max_tokens: int, concur
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, redis_url):
     p = Procs(tmp_path_factory.mktemp("pools"), redis_url)
-    vocab = int(engine_args_for(p.model, "sim")[1])
+    ids = _sim_ids(engine_args_for(p.model, "sim"))
     try:
         p.spawn("tok", "tokenizer_svc", "--tokenizer", str(p.model))
         base = ["--backend", "sim", "--model", str(p.model), *engine_args_for(p.model, "sim"),
@@ -151,7 +161,7 @@ def mesh(tmp_path_factory, redis_url):
                     "--router-id", name, "--engine-poll-interval", "0.2", "--traffic-split", SPLIT,
                     "--split-poll-interval", "5", "--max-loop-lag-ms", "0")   # a loaded CI box: no refusals
         asyncio.run(p.ready("ra", "rb"))
-        yield Mesh(p, vocab)
+        yield Mesh(p, ids)
     finally:
         p.stop()
 
