@@ -12,25 +12,26 @@ response message and wakes the request's consumer once (an `asyncio.Queue` costs
 per item, the commonest asyncio cost in the router's profile); the consumer then takes
 everything that is ready with `get_ready()`, so a burst of chunks costs one task hop.
 
-Wake-ups under load (`max_wake_delay`): an upstream that produces faster than the loop consumes
-sends many small messages (one token per request each) that queue in gRPC's buffers; woken per
-message, every consumer runs its whole per-request path once per token, and the backlog grows.
-So the reader watches the loop three ways: the lag of its own wake-ups, the lag of a timed
-`call_soon` in each loop turn a message arrived in, and the loop's busy share over 50 ms windows
-(the time it does not wait in its selector, `services/loopidle.py`; on a loop without one, such as
-uvloop, the loop thread's CPU time). With the first alone, sinks taking every item left nothing to measure and the
-lag stale at its idle value: a saturated router then relayed one token per client message and
-could not get out of that state. While the lag is below `_BUSY_LAG` and the loop not saturated,
-consumers are woken at once (the next loop turn: nothing waits when idle); once it is above,
-wake-ups are deferred by `max_wake_delay`, the reader takes the messages that arrive meanwhile
-and each consumer takes all of them in one turn: fewer, fuller messages downstream, at most one
-per request per `max_wake_delay`. A request's first item is never deferred (time to first token).
-A flush wakes every consumer that got items in one loop turn. Waking them a slice (16) per turn,
-so that a new call or a refusal would wait for one slice and not a whole batch's, was tried and
-dropped: on the 16-core host it did not change the overload bench's refusal p99 beyond noise (15.3
-vs 18.1 ms with 2 routers, 11.3 vs 10.5 with 4), and its short turns hid the loop's lag from the
-deferral above (at 256 streams here: 2.2 instead of 16.4 tokens per client message, 7.5k instead of
-17.4k tokens per router CPU-second).
+Wake-ups under load (`max_wake_delay`): an upstream that produces faster than the loop consumes sends
+many small messages (one token per request each) that queue in gRPC's buffers; woken per message, every
+consumer runs its whole per-request path once per token, and the backlog grows. So the reader watches
+the loop three ways: the lag of its own wake-ups, the lag of a timed `call_soon` in each loop turn a
+message arrived in, and the loop's busy share over 50 ms windows (the time it does not wait in its
+selector, `services/loopidle.py`; on a loop without one, such as uvloop, CPU time: the loop thread's own
+at `_BUSY_SHARE` of a core, or at `_LOOP_SHARE` while the whole process uses `_BUSY_SHARE` of the CPUs
+it may use — a loop pinned to one core with gRPC's threads shares it with them and never reaches 90% of
+it alone). With the first alone, sinks taking every item left nothing to measure and the lag stale at
+its idle value: a saturated router then relayed one token per client message and could not get out of
+that state. While the lag is below `_BUSY_LAG` and the loop not saturated, consumers are woken at once
+(the next loop turn: nothing waits when idle); once it is above, wake-ups are deferred by
+`max_wake_delay`, the reader takes the messages that arrive meanwhile and each consumer takes all of
+them in one turn: fewer, fuller messages downstream, at most one per request per `max_wake_delay`. A
+request's first item is never deferred (time to first token). A flush wakes every consumer that got
+items in one loop turn. Waking them a slice (16) per turn, so that a new call or a refusal would wait
+for one slice and not a whole batch's, was tried and dropped: on the 16-core host it did not change the
+overload bench's refusal p99 beyond noise (15.3 vs 18.1 ms with 2 routers, 11.3 vs 10.5 with 4), and its
+short turns hid the loop's lag from the deferral above (at 256 streams here: 2.2 instead of 16.4 tokens
+per client message, 7.5k instead of 17.4k tokens per router CPU-second).
 
 Sinks (`Inbox.sink`): a consumer whose per-item work is plain bookkeeping (the engine stage
 handing a chunk of new tokens to the detokenizer) may set a sink; the reader then calls it with
@@ -59,7 +60,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from services.errors import REASON_KEY, Reason, TokenrelayError, from_rpc_error
-from services.loopidle import idle_seconds
+from services.loopidle import cpu_allowance, idle_seconds
 
 Item = TypeVar("Item")
 
@@ -148,6 +149,8 @@ class Inbox(Generic[Item]):
 _BUSY_LAG = 0.001      # loop lag (s) above which the reader defers wake-ups (module doc)
 _BUSY_WINDOW = 0.05    # the loop's busy share is sampled over windows this long (s) ...
 _BUSY_SHARE = 0.9      # ... and at this share or more the loop counts as behind (saturated)
+_LOOP_SHARE = 0.5      # without a selector to meter: the loop thread's share of a core that, with the
+                       # whole process at _BUSY_SHARE of its CPU allowance, counts as saturated too
 
 
 class _Waker:
@@ -159,7 +162,8 @@ class _Waker:
         self._pending: list[Inbox[Any]] = []
         self._due = 0.0                    # when the scheduled flush should run; 0 = none scheduled
         self._probing = False              # a lag probe is scheduled
-        self._window: tuple[float, float] | None = None   # (loop time, busy seconds) at its start
+        self._window: tuple[float, float, float] | None = None   # (loop time, busy s, process CPU s) at its start
+        self._allowance = 0.0              # CPUs the process may use (read once, when first needed)
         self.lag = 0.0                     # smoothed lag of flushes and probes (s)
         self.saturated = False             # the loop was busy >= _BUSY_SHARE of the last window
         self.flushes = 0
@@ -179,11 +183,19 @@ class _Waker:
         if window is None or now - window[0] >= _BUSY_WINDOW:
             idle = idle_seconds(loop)
             # busy seconds so far: time not spent waiting in the selector; else (uvloop) the loop
-            # thread's CPU time (the process's would count gRPC's poller thread too)
-            busy = now - idle if idle is not None else time.thread_time()
+            # thread's CPU time, read beside the process's (module doc)
+            if idle is not None:
+                busy, process = now - idle, 0.0
+            else:
+                busy, process = time.thread_time(), time.process_time()
             if window is not None:
-                self.saturated = busy - window[1] >= _BUSY_SHARE * (now - window[0])
-            self._window = (now, busy)
+                span = now - window[0]
+                self.saturated = busy - window[1] >= _BUSY_SHARE * span
+                if idle is None and not self.saturated and busy - window[1] >= _LOOP_SHARE * span:
+                    if not self._allowance:
+                        self._allowance = cpu_allowance()
+                    self.saturated = process - window[2] >= _BUSY_SHARE * self._allowance * span
+            self._window = (now, busy, process)
 
     @property
     def defers(self) -> bool:
