@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device run 2 of 2026-12-06 (~150 s): the relay at 256 streams (fast sim, router pinned to one core) with the uvloop
+# Device run 2 of 2026-12-06 (~110 s; ONETOKEN=1 adds ~50 s): the relay at 256 streams (fast sim, router pinned to one core) with the uvloop
 # busy-share fix (282d46b, services/mux.py) against the tree before it (282d46b~1, extracted into the ignored .before/
 # and carried), interleaved, two rounds; then one token per message beside the bare server on each loop (after).
 set -u
@@ -14,7 +14,7 @@ for r in 1 2; do
     echo "relay $tree $L $r $(( $(date +%s) - t0 )) s"; row $W/relay_${tree}_${L}_$r.txt
   done
 done
-for L in uvloop asyncio; do
+[ "${ONETOKEN:-0}" = 1 ] && for L in uvloop asyncio; do
   timeout 75 python3 bench/bench_relay.py --streams 256 --step-ms 10 --duration 6 --warmup 2 --targets mesh bare \
     --router-arg=--engine-wake-delay=0 --router-arg=--event-loop=$L --bare-event-loop $L $PIN > $W/onetoken_$L.txt 2>&1
   echo "onetoken $L $(( $(date +%s) - t0 )) s"; row $W/onetoken_$L.txt
