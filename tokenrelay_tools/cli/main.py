@@ -284,7 +284,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--engine-arg", action="append", default=[], help="extra flag for engine_svc (repeatable)")
     up.add_argument("--tokenizer-arg", action="append", default=[], help="extra flag for tokenizer_svc")
     up.add_argument("--router-arg", action="append", default=[],
-                    help="extra flag for router_svc (repeatable; e.g. --router-arg=--queue-classes=...)")
+                    help="extra flag for router_svc (repeatable; e.g. --router-arg=--queue-classes=...). "
+                         "The routers detokenize, and tokenize prompts up to 16 KB, in their own process "
+                         "unless given --detokenize=tokenizer / --tokenize-local-bytes=0")
     up.add_argument("--tenants-file", default="", metavar="FILE",
                     help="serve these tenants (YAML/TOML, see router_svc/tenants.py) instead of one generated "
                          "dev tenant; checked before anything starts, reloaded on change")
