@@ -117,9 +117,10 @@ class SimConfig(Section):
 
     @model_validator(mode="after")
     def _id_range(self) -> SimConfig:
-        if self.sample_ids_from >= self.sample_range()[1]:
+        below = self.sample_range()[1]
+        if self.sample_ids_from >= below:
             raise ValueError(f"sample_ids_from ({self.sample_ids_from}) must be below the ids generated "
-                             f"(sample_ids_below, else vocab_size: {self.sample_range()[1]})")
+                             f"(sample_ids_below, else vocab_size: {below})")
         return self
 
     def sample_range(self) -> tuple[int, int]:

@@ -24,10 +24,12 @@ from collections import Counter
 import pytest
 
 from engine_svc.backends.sim import context_state, mix64
+from engine_svc.config import EngineSettings
 from router_svc.cluster_redis import open_redis
 from router_svc.pools import reset_split, write_split
 from services.channels import open_channel
 from services.client import Client
+from services.config import load_settings
 from services.proto.tokenrelay.v1 import engine_pb2, engine_pb2_grpc
 from tests.e2e.prockit import KEYS, Procs
 from tests.meshkit import scrape
@@ -54,10 +56,8 @@ def _tokens(prompt: list[int], n: int, ids: tuple[int, int] | None) -> list[int]
 
 
 def _sim_ids(flags: list[str]) -> tuple[int, int]:
-    """The ids the sim generates with these flags (SimConfig.sample_range): (first, count)."""
-    given = dict(zip(flags[::2], flags[1::2], strict=True))
-    first = int(given.get("--sim-sample-ids-from", 0))
-    below = int(given.get("--sim-sample-ids-below", 0)) or int(given["--sim-vocab-size"])
+    """The ids the sim generates with these flags, as the engine parses them: (first, count)."""
+    first, below = load_settings(EngineSettings, ["--backend", "sim", *flags]).sim.sample_range()
     return first, below - first
 
 
