@@ -1,36 +1,64 @@
-"""Sequential one-token requests through a running `tokenrelay up` mesh: client TTFT, the router process's CPU per request and Redis commands per request (INFO commandstats). Usage: python seq_requests.py STATE_FILE N [MAX_TOKENS]"""
-import asyncio, json, sys, time, statistics, subprocess
-import grpc, psutil
-from services.proto.tokenrelay.v1 import inference_pb2, inference_pb2_grpc, common_pb2
-st = json.load(open(sys.argv[1])); N = int(sys.argv[2]); MAXTOK = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-redis_sock = st["redis_url"].replace("unix://", "")
-def cmdstats():
-    out = subprocess.run(["redis-cli", "-s", redis_sock, "info", "commandstats"], capture_output=True, text=True).stdout
-    d = {}
+"""Sequential requests through a running `tokenrelay up` mesh: client TTFT, the router process's CPU
+per request and Redis commands per request (INFO commandstats over the Redis `up` started).
+
+    python docs/relay/2026-12-06/cpu/seq_requests.py STATE_FILE N [MAX_TOKENS]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+
+from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+TEXT = "Hello there, this is a conversation turn of moderate length. " * 8
+
+
+def command_counts(redis_socket: str) -> dict[str, int]:
+    out = subprocess.run(["redis-cli", "-s", redis_socket, "info", "commandstats"],
+                         capture_output=True, text=True, check=True).stdout
+    counts = {}
     for line in out.splitlines():
         if line.startswith("cmdstat_"):
             name, rest = line.split(":", 1)
-            d[name[8:]] = int(rest.split(",")[0].split("=")[1])
-    return d
-async def main():
-    ch = grpc.aio.insecure_channel(st["router"])
-    stub = inference_pb2_grpc.InferenceStub(ch)
-    md = (("authorization", f"Bearer {st['api_key']}"),)
-    text = "Hello there, this is a conversation turn of moderate length. " * 8
-    async def one(i):
-        req = inference_pb2.GenerateRequest(prompt=text + str(i), sampling=common_pb2.SamplingParams(max_tokens=MAXTOK) if hasattr(common_pb2, "SamplingParams") else None)
-        t0 = time.perf_counter(); first = None
-        async for ev in stub.Generate(req, metadata=md):
-            if first is None and ev.WhichOneof("event") == "delta":
+            counts[name.removeprefix("cmdstat_")] = int(rest.split(",")[0].split("=")[1])
+    return counts
+
+
+async def main(state: dict, n: int, max_tokens: int) -> None:
+    socket = state["redis_url"].removeprefix("unix://")
+    stub = inference_pb2_grpc.InferenceStub(grpc.aio.insecure_channel(state["router"]))
+    metadata = (("authorization", f"Bearer {state['api_key']}"),)
+
+    async def one(i: int) -> float | None:
+        request = inference_pb2.GenerateRequest(prompt=TEXT + str(i),
+                                                sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+        t0, first = time.perf_counter(), None
+        async for event in stub.Generate(request, metadata=metadata):
+            if first is None and event.WhichOneof("event") == "delta":
                 first = time.perf_counter() - t0
         return first
-    for i in range(20): await one(i)
-    rp = psutil.Process(st["services"]["router"]["pid"])
-    c0 = rp.cpu_times(); r0 = cmdstats(); t0 = time.perf_counter()
-    ttft = [await one(i) for i in range(N)]
-    el = time.perf_counter() - t0; c1 = rp.cpu_times(); r1 = cmdstats()
-    cpu = (c1.user + c1.system - c0.user - c0.system)
-    ttft = sorted(x * 1000 for x in ttft if x is not None)
-    print(f"n={N} TTFT p50 {statistics.median(ttft):.2f} ms p90 {ttft[int(.9*len(ttft))]:.2f}; router CPU {1000*cpu/N:.2f} ms/request; wall {1000*el/N:.2f} ms/request")
-    print("redis cmds/request:", {k: round((r1.get(k, 0) - r0.get(k, 0)) / N, 2) for k in r1 if r1.get(k, 0) != r0.get(k, 0)})
-asyncio.run(main())
+
+    for i in range(20):                                   # warm-up
+        await one(i)
+    router = psutil.Process(state["services"]["router"]["pid"])
+    cpu0, redis0, t0 = router.cpu_times(), command_counts(socket), time.perf_counter()
+    ttfts = sorted(1000 * t for t in [await one(i) for i in range(n)] if t is not None)
+    wall, cpu1, redis1 = time.perf_counter() - t0, router.cpu_times(), command_counts(socket)
+    cpu = cpu1.user + cpu1.system - cpu0.user - cpu0.system
+    print(f"n={n} TTFT p50 {statistics.median(ttfts):.2f} ms p90 {ttfts[int(0.9 * len(ttfts))]:.2f}; "
+          f"router CPU {1000 * cpu / n:.2f} ms/request; wall {1000 * wall / n:.2f} ms/request")
+    print("redis commands per request:", {k: round((v - redis0.get(k, 0)) / n, 2)
+                                          for k, v in redis1.items() if v != redis0.get(k, 0)})
+
+
+if __name__ == "__main__":
+    asyncio.run(main(json.loads(pathlib.Path(sys.argv[1]).read_text()), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 1))
