@@ -61,4 +61,5 @@ async def main(state: dict, n: int, max_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(json.loads(pathlib.Path(sys.argv[1]).read_text()), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 1))
+    state = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    asyncio.run(main(state, int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 1))
