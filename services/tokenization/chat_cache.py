@@ -96,8 +96,10 @@ class ChatPrefixCache:
         if plan.anchor_id is not None and (not ids or ids[0] != plan.anchor_id):
             return None
         base = len(plan.prefix)
-        anchors = plan.prefix_anchors + [(base + i, plan.cut + encoding.offsets[i][0])
-                                         for i, t in enumerate(ids) if t in self._added_ids]
+        added = [i for i, t in enumerate(ids) if t in self._added_ids]
+        # `Encoding.offsets` builds the whole list on every access: read it once, and only if needed
+        offsets = encoding.offsets if added else ()
+        anchors = plan.prefix_anchors + [(base + i, plan.cut + offsets[i][0]) for i in added]
         full = plan.prefix + array("I", ids)
         with self._lock:
             if plan.anchor_id is not None:
