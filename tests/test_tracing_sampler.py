@@ -1,0 +1,69 @@
+"""A process that exports spans nowhere records none it starts itself, yet its spans keep ids for the
+logs; one that exports records them; a sampled parent from another process is always followed."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from services import tracing
+
+
+def _provider() -> tuple[trace.Tracer, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=tracing._ExportingSampler())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("t"), exporter
+
+
+def test_nothing_recorded_while_nothing_exports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing, "_exporting", False)
+    tracer, exporter = _provider()
+    root = tracer.start_span("root")
+    with tracer.start_as_current_span("child", context=trace.set_span_in_context(root)) as child:
+        assert not child.is_recording()
+        assert child.get_span_context().trace_id == root.get_span_context().trace_id
+    root.end()
+    assert not root.is_recording()
+    assert root.get_span_context().is_valid            # the logs' trace_id still exists
+    assert not root.get_span_context().trace_flags.sampled
+    assert exporter.get_finished_spans() == ()
+
+
+def test_recorded_once_an_exporter_is_attached(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing, "_exporting", True)
+    tracer, exporter = _provider()
+    root = tracer.start_span("root")
+    with tracer.start_as_current_span("child", context=trace.set_span_in_context(root)):
+        pass
+    root.end()
+    assert [s.name for s in exporter.get_finished_spans()] == ["child", "root"]
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_remote_parent_decides_when_nothing_exports_here(monkeypatch: pytest.MonkeyPatch, sampled: bool) -> None:
+    monkeypatch.setattr(tracing, "_exporting", False)
+    tracer, exporter = _provider()
+    flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+    parent = NonRecordingSpan(SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=flags))
+    with tracer.start_as_current_span("child", context=trace.set_span_in_context(parent)) as child:
+        assert child.is_recording() is sampled
+        assert child.get_span_context().trace_id == 0x1234
+    assert len(exporter.get_finished_spans()) == (1 if sampled else 0)
+
+
+def test_configure_tracing_turns_recording_on_with_an_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later `configure_tracing(exporter=...)` (how tests attach) switches this process to recording."""
+    monkeypatch.setattr(tracing, "_exporting", False)
+    provider = TracerProvider(sampler=tracing._ExportingSampler())
+    monkeypatch.setattr(tracing, "_provider", provider)
+    exporter = InMemorySpanExporter()
+    tracing.configure_tracing("x", exporter=exporter)
+    assert tracing._exporting
+    with provider.get_tracer("t").start_as_current_span("s") as span:
+        assert span.is_recording()
+    assert [s.name for s in exporter.get_finished_spans()] == ["s"]
