@@ -22,6 +22,7 @@ KV_EVENT_FEEDS = Gauge("tokenrelay_router_kv_event_feeds", "Engine replicas by K
 KV_EVENTS = Counter("tokenrelay_router_kv_events_total", "KV-cache events applied to the prefix index", ["type"])
 PLACEMENT_SHARE = Counter("tokenrelay_router_placement_share_total", "Placement records shared with the other "
                           "router processes (router_svc/placement_share.py), by event: sent, received, dropped "
-                          "(buffer full), publish_failed (Redis down or slow), bad_message", ["event"])
+                          "(buffer full), alone (not sent: no other router listens), publish_failed (Redis down "
+                          "or slow), bad_message", ["event"])
 PLACEMENT_SHARE_SUBSCRIBED = Gauge("tokenrelay_router_placement_share_subscribed", "1 while this router hears "
                                    "the other routers' placements (subscribed to the pool's channel), else 0")

@@ -28,6 +28,17 @@ docs/routing.md). `remote_in_flight()` sums the other routers' vectors, which th
 this router's own in-flight count (and clamps the engines' reported counts to:
 `placement.cluster_view`); None while not subscribed.
 
+Alone (one Redis, not a cluster): PUBLISH answers how many subscribers received the message. When
+only this router heard its own message (1, or 0 while its subscription is down), and it has neither
+subscribed nor heard another router for `stale` s, no other router is listening: the next flushes
+are skipped (their records counted as `alone`) except one every `refresh` s, which probes again. A
+message from another router ends it at once (its vector goes out in the same loop turn), and every
+router publishes once as soon as it has subscribed, so a router that joins is heard at once. It lacks
+the placements made while this one was alone (the engines' KV events still tell it what is cached
+where). With `tokenrelay up`'s one router this takes the two PUBLISHes a request caused, and the two
+own messages it read back, off its path. A router drops its own messages before parsing them (a
+prefix check on the raw message).
+
 Bounded and harmless: at most `max_buffer` records and `max_buffer_bytes` of keys wait for a flush
 (more are dropped, oldest first, counted), at most `max_publishes` PUBLISHes are in flight (while
 they are, records wait in the buffer).
@@ -47,6 +58,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
 
 from services.logging import get_logger
 
@@ -105,6 +118,14 @@ class PlacementShare:
         self.subscribed = asyncio.Event()    # set once first subscribed (tests)
         self._live = False
         self.received = 0     # remote records entered (tests)
+        # No other router listens (module doc, "Alone"); never assumed for a cluster client, whose
+        # PUBLISH counts the subscribers of one node only.
+        self._alone = False
+        self._heard_peer = 0        # messages heard from other routers (a PUBLISH's count predates them)
+        self._quiet_since = 0.0     # subscribed, or last heard another router (monotonic)
+        self._can_be_alone = not isinstance(redis, RedisCluster)
+        own = json.dumps({"r": router_id}, separators=(",", ":"))[:-1] + ","
+        self._own_prefix = (own, own.encode())
 
     # ------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -161,6 +182,11 @@ class PlacementShare:
         if self._publishing >= self.max_publishes:
             return       # Redis is slow: the records wait (bounded); the next publish's end flushes them
         records, self._buffer, self._buffered_bytes = list(self._buffer), deque(), 0
+        if self._alone and time.monotonic() - self._sent_at < self.refresh:
+            if records:   # nobody to tell (module doc, "Alone")
+                PLACEMENT_SHARE.labels("alone").inc(len(records))
+            self._holds.clear()
+            return
         vector = {a: n for a, n in self._in_flight().items() if n > 0}
         body: dict[str, Any] = {"r": self.router_id, "t": time.time(), "f": vector, "p": records}
         if self._holds:
@@ -170,9 +196,9 @@ class PlacementShare:
         self._sent_vector, self._sent_at = vector, time.monotonic()
         self._publishing += 1
         fut = self.pipe.submit("PUBLISH", self.channel, message)
-        fut.add_done_callback(functools.partial(self._published, records=len(records)))
+        fut.add_done_callback(functools.partial(self._published, records=len(records), heard=self._heard_peer))
 
-    def _published(self, fut: asyncio.Future[Any], records: int) -> None:
+    def _published(self, fut: asyncio.Future[Any], records: int, heard: int) -> None:
         self._publishing -= 1
         if fut.cancelled():
             return
@@ -180,8 +206,15 @@ class PlacementShare:
         if exc is not None:
             PLACEMENT_SHARE.labels("publish_failed").inc(max(records, 1))
             self._warn("placement_share_publish", exc)
-        elif records:
-            PLACEMENT_SHARE.labels("sent").inc(records)
+        else:
+            if records:
+                PLACEMENT_SHARE.labels("sent").inc(records)
+            heard_by = fut.result()
+            # Not within `stale` s of subscribing or of hearing another router (one that is joining
+            # may be subscribed without having been heard yet), nor when one was heard since this
+            # PUBLISH went out (it subscribed after the count).
+            if self._can_be_alone and isinstance(heard_by, int) and heard == self._heard_peer:
+                self._alone = heard_by <= 1 and time.monotonic() - self._quiet_since >= self.stale
         if self._buffer:
             self._schedule()
 
@@ -202,6 +235,10 @@ class PlacementShare:
                 await asyncio.wait_for(subscribe(self.redis, pubsub, self.channel), self.op_timeout)
                 self.subscribed.set()
                 self._live = True
+                # Heard by the routers already there: one that was alone starts sharing at once.
+                self._alone = False
+                self._quiet_since = time.monotonic()
+                self._schedule()
                 PLACEMENT_SHARE_SUBSCRIBED.set(1)
                 backoff = 0.05
                 while True:
@@ -222,6 +259,8 @@ class PlacementShare:
             backoff = min(backoff * 2, 2.0)
 
     def on_message(self, data: bytes | str) -> None:
+        if data.startswith(self._own_prefix[isinstance(data, bytes)]):    # type: ignore[arg-type]
+            return   # its own, back from Redis
         try:
             message = json.loads(data)
             sender = str(message["r"])
@@ -236,6 +275,11 @@ class PlacementShare:
             self._warn("placement_share_message", exc)
             return
         self._remote[sender] = (time.monotonic(), vector)
+        self._heard_peer += 1
+        self._quiet_since = time.monotonic()
+        if self._alone:    # another router listens: tell it this one's vector (and what follows) now
+            self._alone = False
+            self._schedule()
         if self.index is None:
             return
         for address, kind, keys in records:

@@ -182,3 +182,47 @@ def test_holds_in_a_message_unreadable_drop_it_whole_stale_are_ignored_fresh_are
     fresh = {"r": "x", "t": time.time(), "f": {}, "p": [], "h": [["e0:1", pack_keys([7])]]}
     share.on_message(json.dumps(fresh))
     assert index.holds() == 1
+
+
+async def test_a_router_alone_publishes_nothing_until_another_joins(redis_url: str) -> None:
+    """PUBLISH says how many heard it: alone (only itself subscribed), a router skips its flushes but one
+    every `refresh` s; a router that subscribes publishes at once, and the first one shares again."""
+    ia, ib = _index(), _index()
+    redis = open_redis(redis_url, 0.5)
+    pa, pb = Pipeliner(redis, 0.5), Pipeliner(redis, 0.5)
+    pa.start()
+    pb.start()
+    a = PlacementShare(redis, pa, "alone", "ra", ia, dict, op_timeout=0.5, tick=0.05, refresh=30.0, stale=0.2)
+    b = PlacementShare(redis, pb, "alone", "rb", ib, dict, op_timeout=0.5, tick=0.05, refresh=30.0, stale=0.2)
+    await a.start()
+    try:
+        assert not a._alone          # within `stale` of subscribing: a joining router may not be heard yet
+        await asyncio.sleep(0.25)
+        ia.placed("e1:1", PROMPT, "t")          # its PUBLISH is heard by router a alone
+        await poll(lambda: a._alone, timeout=2, what="router a to learn it is alone")
+        sent, alone = _sent("sent"), _sent("alone")
+        for _ in range(3):
+            ia.placed("e1:1", PROMPT, "t")
+            await asyncio.sleep(0.02)
+        assert _sent("sent") == sent and _sent("alone") == alone + 3     # nobody to tell
+        await b.start()
+        await poll(lambda: not a._alone, timeout=2, what="router a to hear router b join")
+        t0 = time.monotonic()
+        ia.placed("e1:1", PROMPT, "t")
+        await poll(lambda: ib.match(PROMPT, E, "t"), timeout=2, what="router b to hear router a's placement")
+        assert time.monotonic() - t0 < 0.5 and _sent("sent") > sent
+    finally:
+        for share, pipe in ((a, pa), (b, pb)):
+            await share.close()
+            await pipe.close()
+
+
+async def test_a_router_ignores_its_own_messages_unparsed() -> None:
+    share = PlacementShare(None, None, "unit", 'r"1', _index(), dict)  # type: ignore[arg-type]
+    own = json.dumps({"r": 'r"1', "t": 0, "f": {"e0:1": 1}, "p": []}, separators=(",", ":"))
+    share.on_message(own + "garbage")           # never parsed: no bad_message
+    share.on_message(own.encode())
+    assert share._remote == {}
+    bad = _sent("bad_message")
+    share.on_message(own.replace('r\\"1', "r2") + "garbage")
+    assert _sent("bad_message") == bad + 1
