@@ -50,6 +50,7 @@ from .admission_settings import AdmissionSettings
 from .budget_memo import BudgetMemo
 from .cluster_redis import open_redis
 from .ports import AdmitRequest
+from .redis_scripts import ScriptClient, lean_eligible
 
 __all__ = ["Admission", "AdmissionSettings", "Admitting", "Lease"]
 
@@ -132,6 +133,12 @@ class Admission:
                                 **settings.redis_options())
         self._scripts = {name: self.redis.register_script(getattr(queue_lua, name))
                          for name in ("ENQUEUE", "SETTLE", "CANCEL", "BEAT", "REAP")}
+        # The scripts' calls on a connection of their own that writes each at once (redis_scripts.py).
+        url, options = str(settings.redis_url), settings.redis_options()
+        self.lean: ScriptClient | None = None
+        if settings.admission_client == "lean" and lean_eligible(url, options):
+            self.lean = ScriptClient(url, password=options.get("password", ""), connect_timeout=settings.op_timeout,
+                                     stall_timeout=backstop)
         self.classes = settings.class_table()
         self._classes_arg = ";".join(f"{c.name},{c.min_share},{c.max_queued}" for c in self.classes)
         self._class_of: dict[int, str] = {}
@@ -220,6 +227,9 @@ class Admission:
         return [self._classes_arg, spec, self.router_id, int(self.settings.lease_ttl * 1000), *rest]
 
     def call(self, script: str, *args: Any) -> asyncio.Future[Any]:
+        if self.lean is not None:
+            s = self._scripts[script]
+            return self.lean.call(s.sha, s.script, (self._meta,), self.argv(*args))  # type: ignore[arg-type]
         return asyncio.ensure_future(self._scripts[script](keys=[self._meta], args=self.argv(*args)))
 
     async def run(self, script: str, *args: Any) -> Any:
@@ -423,6 +433,8 @@ class Admission:
             await asyncio.wait(set(self._background), timeout=self.settings.op_timeout)
             for op in list(self._background):   # an operation Redis never answered
                 op.cancel()
+        if self.lean is not None:
+            await self.lean.close()
         await self.redis.aclose()
 
 

@@ -1,0 +1,170 @@
+"""The admission scripts' lean Redis client (router_svc/redis_scripts.py) against a real redis-server:
+the command is on the wire when `call()` returns, replies and errors match redis-py's, an unknown
+script is sent with its body, a restart costs no call, AUTH and SELECT come from the URL and the
+password, a peer that stops answering is dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, OutOfMemoryError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from router_svc.admission_settings import AdmissionSettings
+from router_svc.redis_scripts import ScriptClient, lean_eligible, pack
+from tests.redisproc import RedisProc
+
+INCR = "#!lua\nlocal n = redis.call('INCR', KEYS[1])\nreturn {n, ARGV[1], {1, 'two'}, tonumber(ARGV[2]) * 2}"
+WRITE = "#!lua\nreturn redis.call('SET', KEYS[1], ARGV[1])"
+FAIL = "#!lua\nreturn redis.error_reply('BADTHING it went wrong')"
+
+
+def _sha(body: str) -> str:
+    return hashlib.sha1(body.encode()).hexdigest()
+
+
+def _client(url: str, **kw: object) -> ScriptClient:
+    return ScriptClient(url, connect_timeout=2.0, **kw)  # type: ignore[arg-type]
+
+
+async def test_replies_match_redis_py_and_the_command_is_written_before_call_returns(redis_proc: RedisProc) -> None:
+    client = _client(redis_proc.url)
+    lib = aioredis.from_url(redis_proc.url)
+    sync = redis.Redis(unix_socket_path=str(redis_proc.sock))
+    try:
+        script = lib.register_script(INCR)
+        assert _sha(INCR) == script.sha
+        expected = await script(keys=["n"], args=["x", 21])              # redis-py's reply: n = 1
+        assert await client.call(_sha(INCR), INCR, ["n"], ["x", 21]) == [2, *expected[1:]]
+        # Written when `call` returns: Redis runs it while this loop never turns (a blocking read here).
+        fut = client.call(_sha(INCR), INCR, ["n"], ["x", 1])
+        deadline = time.monotonic() + 2
+        while int(sync.get("n") or 0) < 3:
+            assert time.monotonic() < deadline, "the call did not reach Redis before the loop turned"
+            time.sleep(0.001)   # noqa: ASYNC251 - blocking on purpose: this loop must not turn
+        assert (await fut)[0] == 3
+        # Many calls at once on the one connection, answered in order.
+        results = await asyncio.gather(*(client.call(_sha(INCR), INCR, ["n"], ["y", i]) for i in range(50)))
+        assert [r[0] for r in results] == list(range(4, 54)) and [r[3] for r in results] == [2 * i for i in range(50)]
+        assert client.connects == 1
+    finally:
+        sync.close()
+        await lib.aclose()
+        await client.close()
+
+
+async def test_an_unknown_script_is_sent_with_its_body_after_a_flush(redis_proc: RedisProc) -> None:
+    client = _client(redis_proc.url)
+    lib = aioredis.from_url(redis_proc.url)
+    try:
+        assert (await client.call(_sha(INCR), INCR, ["k"], ["a", 1]))[0] == 1     # never loaded: NOSCRIPT, then EVAL
+        await lib.script_flush()
+        assert (await client.call(_sha(INCR), INCR, ["k"], ["a", 1]))[0] == 2
+        assert await lib.script_exists(_sha(INCR)) == [True]                       # loaded by the EVAL
+    finally:
+        await lib.aclose()
+        await client.close()
+
+
+async def test_errors_are_redis_py_exceptions(redis_proc: RedisProc) -> None:
+    client = _client(redis_proc.url)
+    lib = aioredis.from_url(redis_proc.url)
+    try:
+        with pytest.raises(ResponseError, match="BADTHING it went wrong"):
+            await client.call(_sha(FAIL), FAIL, ["k"], [])
+        await lib.config_set("maxmemory", 1)
+        with pytest.raises(OutOfMemoryError):
+            await client.call(_sha(WRITE), WRITE, ["k"], ["v"])
+        await lib.config_set("maxmemory", 0)
+        assert await client.call(_sha(WRITE), WRITE, ["k"], ["v"]) == b"OK"
+    finally:
+        await lib.aclose()
+        await client.close()
+
+
+async def test_a_redis_restart_costs_no_call_and_a_dead_redis_fails_fast(redis_proc: RedisProc) -> None:
+    client = _client(redis_proc.url)
+    try:
+        assert (await client.call(_sha(INCR), INCR, ["k"], ["a", 1]))[0] == 1
+        redis_proc.kill()
+        with pytest.raises(RedisConnectionError):
+            async with asyncio.timeout(2):
+                await client.call(_sha(INCR), INCR, ["k"], ["a", 1])
+        redis_proc.start()      # AOF: the counter survived; the script cache did not
+        assert (await client.call(_sha(INCR), INCR, ["k"], ["a", 1]))[0] == 2
+        assert client.connects == 2
+    finally:
+        await client.close()
+
+
+async def test_a_call_in_flight_when_its_connection_dies_is_sent_once_more(redis_proc: RedisProc) -> None:
+    client = _client(redis_proc.url)
+    lib = aioredis.from_url(redis_proc.url)
+    try:
+        await client.call(_sha(INCR), INCR, ["k"], ["a", 1])
+        await lib.execute_command("CLIENT", "PAUSE", 300, "WRITE")     # the next call waits in Redis...
+        fut = client.call(_sha(INCR), INCR, ["k"], ["a", 1])
+        await asyncio.sleep(0.05)
+        ids = [c["id"] for c in await lib.client_list() if c.get("cmd") in ("evalsha", "eval")]
+        assert ids, "the paused call is not in Redis"
+        await lib.execute_command("CLIENT", "KILL", "ID", ids[0])      # ...and its connection is cut
+        assert (await asyncio.wait_for(fut, 3))[0] in (2, 3)          # sent again on a new connection
+        assert client.connects == 2
+    finally:
+        await lib.aclose()
+        await client.close()
+
+
+async def test_a_peer_that_stops_answering_is_dropped(redis_proc: RedisProc) -> None:
+    client = _client(redis_proc.url, stall_timeout=0.3)
+    lib = aioredis.from_url(redis_proc.url)
+    try:
+        await client.call(_sha(INCR), INCR, ["k"], ["a", 1])
+        await lib.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+        t0 = time.monotonic()
+        with pytest.raises(RedisConnectionError, match=r"no reply in 0\.3s"):
+            await client.call(_sha(INCR), INCR, ["k"], ["a", 1])      # dropped, sent again, dropped again
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        await lib.execute_command("CLIENT", "UNPAUSE")
+        await lib.aclose()
+        await client.close()
+
+
+async def test_auth_and_db_from_the_url_and_the_password(redis_proc: RedisProc) -> None:
+    lib = aioredis.from_url(redis_proc.url)
+    await lib.config_set("requirepass", "s3cret")
+    authed = aioredis.from_url(redis_proc.url, password="s3cret", db=3)
+    good = _client(redis_proc.url + "?db=3", password="s3cret")
+    bad = _client(redis_proc.url, password="wrong")
+    try:
+        assert await good.call(_sha(WRITE), WRITE, ["k"], ["in db 3"]) == b"OK"
+        assert await authed.get("k") == b"in db 3"
+        with pytest.raises(AuthenticationError):
+            await bad.call(_sha(WRITE), WRITE, ["k"], ["v"])
+    finally:
+        await authed.config_set("requirepass", "")
+        await authed.aclose()
+        await lib.aclose()
+        await good.close()
+        await bad.close()
+
+
+def test_who_gets_the_lean_client() -> None:
+    assert lean_eligible("unix:///tmp/r.sock", {}) and lean_eligible("redis://h:1/0", {"password": "p"})
+    assert not lean_eligible("rediss://h:1/0", {})
+    assert not lean_eligible("redis+cluster://h:1", {})
+    assert not lean_eligible("redis://h:1/0", {"ssl_ca_certs": "ca.pem"})
+    assert AdmissionSettings().admission_client == "lean"
+
+
+def test_pack_is_resp() -> None:
+    assert pack("EVALSHA", "ab", 1, "k", b"\x00", 1.5) == (
+        b"*6\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n1\r\n$1\r\nk\r\n$1\r\n\x00\r\n$3\r\n1.5\r\n")
+    with pytest.raises(TypeError):
+        pack(True)
