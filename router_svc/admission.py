@@ -136,7 +136,7 @@ class Admission:
         # The scripts' calls on a connection of their own that writes each at once (redis_scripts.py).
         url, options = str(settings.redis_url), settings.redis_options()
         self.lean: ScriptClient | None = None
-        if settings.admission_client == "lean" and lean_eligible(url, options):
+        if settings.redis_client == "lean" and lean_eligible(url, options):
             self.lean = ScriptClient(url, password=options.get("password", ""), connect_timeout=settings.op_timeout,
                                      stall_timeout=backstop)
         self.classes = settings.class_table()

@@ -50,9 +50,10 @@ class AdmissionSettings(Section):
     max_connections: int = Field(8, ge=2, le=256, json_schema_extra=flag("redis_max_connections"),
                                  description="Redis connections per router process (one bounded pool; "
                                              "operations wait for a free one)")
-    admission_client: Literal["lean", "redis-py"] = Field(
-        "lean", description="the client of the admission scripts' calls (ENQUEUE, SETTLE, ...): lean = one "
-                            "pipelined connection that writes each call at once (router_svc/redis_scripts.py); "
+    redis_client: Literal["lean", "redis-py"] = Field(
+        "lean", description="the client of the router's calls on a request's path (admission scripts, request-id "
+                            "claims and releases, Cancel, sessions, shared placements): lean = one pipelined "
+                            "connection that writes each call when it is made (router_svc/redis_scripts.py); "
                             "redis-py = the library's pool. A TLS or cluster URL always uses redis-py")
     queue_classes: str = Field(
         "interactive:0:4096,standard:0.1:4096,batch:0.05:4096",

@@ -114,7 +114,8 @@ async def serve(settings: RouterSettings) -> None:
                            router_id=settings.cluster.router_id, op_timeout=min(settings.admission.op_timeout, 1.0),
                            request_id_ttl=settings.cluster.request_id_ttl, session_ttl=settings.cluster.session_ttl,
                            cancel_timeout=settings.cluster.cancel_timeout,
-                           redis_options=settings.admission.redis_options())
+                           redis_options=settings.admission.redis_options(),
+                           lean=settings.admission.redis_client == "lean")
     try:
         discovery = discovery_from_settings(upstreams, settings.routing, settings.admission, settings.security)
     except ValueError as exc:

@@ -49,6 +49,7 @@ from services.logging import get_logger
 
 from .cluster_redis import REDIS_ERRORS, Pipeliner, Warned, numsub, open_redis, stop_tasks, subscribe
 from .placement import LocalSessionAffinity
+from .redis_scripts import ScriptClient, lean_eligible
 from .request import LocalRequestRegistry
 
 log = get_logger(__name__)
@@ -111,11 +112,17 @@ class RedisCluster:
 
     def __init__(self, redis_url: str, pool: str, *, router_id: str = "", op_timeout: float = 1.0,
                  request_id_ttl: float = 15.0, session_ttl: float = 3600.0, cancel_timeout: float = 0.5,
-                 redis_options: Mapping[str, Any] | None = None) -> None:
+                 redis_options: Mapping[str, Any] | None = None, lean: bool = True) -> None:
         self.router_id = router_id or default_router_id()
         self.pool = pool
-        self.redis = open_redis(redis_url, op_timeout, **(redis_options or {}))
-        self.pipe = Pipeliner(self.redis, op_timeout)
+        options = dict(redis_options or {})
+        self.redis = open_redis(redis_url, op_timeout, **options)
+        # The pipeline's commands on a connection that writes them at once (router_svc/redis_scripts.py).
+        self.lean: ScriptClient | None = None
+        if lean and lean_eligible(str(redis_url), options):
+            self.lean = ScriptClient(str(redis_url), password=options.get("password", ""), connect_timeout=op_timeout,
+                                     stall_timeout=10 * op_timeout)
+        self.pipe = Pipeliner(self.redis, op_timeout, self.lean)
         self.op_timeout = op_timeout
         self.warn = Warned()
         self.registry = RedisRequestRegistry(self, request_id_ttl, cancel_timeout)
@@ -146,6 +153,8 @@ class RedisCluster:
             await stop_tasks(self._tasks, self.op_timeout * 2)
         await self.registry.release_all()
         await self.pipe.close()
+        if self.lean is not None:
+            await self.lean.close()
         with contextlib.suppress(*REDIS_ERRORS):
             await self.redis.aclose()
 

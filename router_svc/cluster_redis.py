@@ -6,6 +6,7 @@ task shutdown, and the counted, rate-limited log of fallbacks to local behaviour
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
@@ -16,6 +17,8 @@ from redis.exceptions import RedisError
 
 from services.logging import get_logger
 from services.redis_client import RedisClient, is_cluster_url, open_redis
+
+from .redis_scripts import ScriptClient
 
 __all__ = ["REDIS_ERRORS", "Pipeliner", "RedisClient", "Warned", "consume", "is_cluster_url", "numsub",
            "open_redis", "stop_tasks", "subscribe"]
@@ -61,8 +64,11 @@ class Pipeliner:
     place, before the groups still open (none of them touches a key its own process has grouped in
     the same batch: the take-over of an id and the Cancel's read come from requests not holding it here)."""
 
-    def __init__(self, redis: RedisClient, timeout: float) -> None:
+    def __init__(self, redis: RedisClient, timeout: float, lean: ScriptClient | None = None) -> None:
         self._redis = redis
+        # With `lean` (router_svc/redis_scripts.py), a batch is written on that connection when its
+        # turn comes, and the next batch does not wait for its replies; else one redis-py pipeline.
+        self._lean = lean
         self._timeout = timeout
         self._pending: list[_Op] = []
         self._wake = asyncio.Event()
@@ -105,51 +111,91 @@ class Pipeliner:
             if batch:
                 await self._send(batch)
 
-    async def _send(self, batch: list[_Op]) -> None:
-        entries: list[tuple[list[asyncio.Future[Any]], bool]] = []  # per pipeline entry: futures, keyed
+    @staticmethod
+    def _plan(batch: list[_Op]) -> list[tuple[tuple[Any, ...], list[asyncio.Future[Any]], bool]]:
+        """The commands of a batch: per entry the command, its futures, and whether it is keyed."""
+        entries: list[tuple[tuple[Any, ...], list[asyncio.Future[Any]], bool]] = []
         groups: dict[tuple[str, tuple[Any, ...]], tuple[list[str], list[asyncio.Future[Any]]]] = {}
         grouped: set[str] = set()   # the keys of `groups`
 
         def flush() -> None:
             for (script, args), (keys, futs) in groups.items():
-                pipe.execute_command("EVAL", script, len(keys), *keys, *args)
-                entries.append((futs, True))
+                entries.append((("EVAL", script, len(keys), *keys, *args), futs, True))
             groups.clear()
             grouped.clear()
+        for what, args, fut, key in batch:
+            if not key:
+                entries.append(((what, *args), [fut], False))
+                continue
+            # A key already grouped (a release of an id, then a new claim of it): the groups so
+            # far go first, so each key's operations run in the order they were submitted.
+            if key in grouped:
+                flush()
+            keys, futs = groups.setdefault((what, args), ([], []))
+            keys.append(key)
+            futs.append(fut)
+            grouped.add(key)
+        flush()
+        return entries
+
+    async def _send(self, batch: list[_Op]) -> None:
+        entries = self._plan(batch)
+        if self._lean is not None:
+            self._send_lean(entries)
+            return
         try:
             pipe = self._redis.pipeline(transaction=False)
-            for what, args, fut, key in batch:
-                if not key:
-                    pipe.execute_command(what, *args)
-                    entries.append(([fut], False))
-                    continue
-                # A key already grouped (a release of an id, then a new claim of it): the groups so
-                # far go first, so each key's operations run in the order they were submitted.
-                if key in grouped:
-                    flush()
-                keys, futs = groups.setdefault((what, args), ([], []))
-                keys.append(key)
-                futs.append(fut)
-                grouped.add(key)
-            flush()
+            for command, _, _ in entries:
+                pipe.execute_command(*command)
             replies = await asyncio.wait_for(pipe.execute(raise_on_error=False), self._timeout)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             for *_, fut, _ in batch:
                 if not fut.done():
                     fut.set_exception(RedisConnectionError(f"cluster store: {exc!r}"))
             return
-        for (futs, keyed), reply in zip(entries, replies, strict=True):
-            for i, fut in enumerate(futs):
-                if fut.done():
-                    continue
-                if isinstance(reply, Exception):
-                    fut.set_exception(reply)
-                elif not keyed:
-                    fut.set_result(reply)
-                elif isinstance(reply, list) and i < len(reply):
-                    fut.set_result(reply[i])
-                else:
-                    fut.set_exception(RedisError(f"keyed script replied {reply!r}"))
+        for (_, futs, keyed), reply in zip(entries, replies, strict=True):
+            self._deliver(futs, keyed, reply)
+
+    def _send_lean(self, entries: list[tuple[tuple[Any, ...], list[asyncio.Future[Any]], bool]]) -> None:
+        assert self._lean is not None
+        waiting = [fut for _, futs, _ in entries for fut in futs]
+
+        def expire() -> None:      # the batch's bound, as the pipeline's wait_for
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_exception(RedisConnectionError(f"cluster store: no reply in {self._timeout:.1f}s"))
+        timer = asyncio.get_running_loop().call_later(self._timeout, expire)
+        left = [len(entries)]
+
+        def answered(op: asyncio.Future[Any], futs: list[asyncio.Future[Any]], keyed: bool) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                timer.cancel()
+            if op.cancelled():
+                reply: Any = RedisConnectionError("cluster store: cancelled")
+            else:
+                reply = op.exception()
+                if isinstance(reply, RedisConnectionError) or isinstance(reply, OSError):
+                    reply = RedisConnectionError(f"cluster store: {reply!r}")
+                elif reply is None:
+                    reply = op.result()
+            self._deliver(futs, keyed, reply)
+        for command, futs, keyed in entries:
+            self._lean.command(*command).add_done_callback(functools.partial(answered, futs=futs, keyed=keyed))
+
+    @staticmethod
+    def _deliver(futs: list[asyncio.Future[Any]], keyed: bool, reply: Any) -> None:
+        for i, fut in enumerate(futs):
+            if fut.done():
+                continue
+            if isinstance(reply, Exception):
+                fut.set_exception(reply)
+            elif not keyed:
+                fut.set_result(reply)
+            elif isinstance(reply, list) and i < len(reply):
+                fut.set_result(reply[i])
+            else:
+                fut.set_exception(RedisError(f"keyed script replied {reply!r}"))
 
     async def close(self) -> None:
         self._closed = True

@@ -91,16 +91,19 @@ def _error(message: str) -> Exception:
 
 @dataclass(eq=False)
 class _Call:
-    sha: str
+    sha: str                    # "" for a plain command (`raw`)
     body: str
     keys: tuple[Any, ...]
     args: tuple[Any, ...]
     future: asyncio.Future[Any]
+    raw: bytes = b""
     by_body: bool = False       # sent as EVAL (the script was unknown to Redis)
     resent: bool = False        # sent again after its connection died
     sent_at: float = field(default=0.0)
 
     def command(self) -> bytes:
+        if not self.sha:
+            return self.raw
         head = ("EVAL", self.body) if self.by_body else ("EVALSHA", self.sha)
         return pack(*head, len(self.keys), *self.keys, *self.args)
 
@@ -190,6 +193,13 @@ class ScriptClient:
         self._submit(_Call(sha, body, tuple(keys), tuple(args), fut))
         return fut
 
+    def command(self, *args: Any) -> asyncio.Future[Any]:
+        """Any other command (its raw RESP2 reply: no redis-py response callback), e.g. PUBLISH, GET, an
+        EVAL with its body. It too is sent once more if its connection dies: give it only idempotent ones."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._submit(_Call("", "", (), (), fut, raw=pack(*args)))
+        return fut
+
     async def close(self) -> None:
         self._closed = True
         if self._connecting is not None:
@@ -259,7 +269,7 @@ class ScriptClient:
             return
         if isinstance(reply, _ErrorReply):
             message = str(reply)
-            if message.startswith("NOSCRIPT") and not entry.by_body:
+            if message.startswith("NOSCRIPT") and entry.sha and not entry.by_body:
                 entry.by_body = True        # loaded by this EVAL; the next calls' EVALSHA finds it
                 self._submit(entry)
                 return

@@ -28,6 +28,22 @@ def _sha(body: str) -> str:
     return hashlib.sha1(body.encode()).hexdigest()
 
 
+async def _loaded(proc: RedisProc) -> None:
+    """Until a restarted Redis has loaded its AOF (before that it answers LOADING)."""
+    r = aioredis.from_url(proc.url)
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    if (await r.info("persistence")).get("loading") == 0:
+                        return
+                except redis.exceptions.BusyLoadingError:
+                    pass
+                await asyncio.sleep(0.01)
+    finally:
+        await r.aclose()
+
+
 def _client(url: str, **kw: object) -> ScriptClient:
     return ScriptClient(url, connect_timeout=2.0, **kw)  # type: ignore[arg-type]
 
@@ -96,6 +112,7 @@ async def test_a_redis_restart_costs_no_call_and_a_dead_redis_fails_fast(redis_p
             async with asyncio.timeout(2):
                 await client.call(_sha(INCR), INCR, ["k"], ["a", 1])
         redis_proc.start()      # AOF: the counter survived; the script cache did not
+        await _loaded(redis_proc)
         assert (await client.call(_sha(INCR), INCR, ["k"], ["a", 1]))[0] == 2
         assert client.connects == 2
     finally:
@@ -160,7 +177,7 @@ def test_who_gets_the_lean_client() -> None:
     assert not lean_eligible("rediss://h:1/0", {})
     assert not lean_eligible("redis+cluster://h:1", {})
     assert not lean_eligible("redis://h:1/0", {"ssl_ca_certs": "ca.pem"})
-    assert AdmissionSettings().admission_client == "lean"
+    assert AdmissionSettings().redis_client == "lean"
 
 
 def test_pack_is_resp() -> None:
@@ -168,3 +185,35 @@ def test_pack_is_resp() -> None:
         b"*6\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n1\r\n$1\r\nk\r\n$1\r\n\x00\r\n$3\r\n1.5\r\n")
     with pytest.raises(TypeError):
         pack(True)
+
+
+async def test_the_cluster_pipeline_on_the_lean_connection(redis_proc: RedisProc) -> None:
+    """router_svc/cluster_redis.Pipeliner with a lean client: keyed scripts of a batch in one EVAL,
+    plain commands in their place, raw replies, an error reply to its own caller, a bound per batch."""
+    from router_svc.cluster import _CLAIM
+    from router_svc.cluster_redis import Pipeliner, open_redis
+
+    lean = _client(redis_proc.url)
+    lib = open_redis(redis_proc.url, 0.5)
+    pipe = Pipeliner(lib, 0.3, lean)
+    pipe.start()
+    try:
+        claims = [pipe.submit_keyed(_CLAIM, f"id{i}", "router-a", 10_000) for i in range(3)]
+        publish = pipe.submit("PUBLISH", "nobody", "hello")
+        setting = pipe.submit("SET", "s", "v")
+        bad = pipe.submit("INCR", "s")                      # not an integer: its own error
+        results = await asyncio.gather(*claims, publish, setting)
+        assert [await lib.get(f"id{i}") for i in range(3)] == [b"router-a"] * 3
+        assert results == [b"", b"", b"", 0, b"OK"]       # claimed ('' = free), heard by 0, SET's raw reply
+        with pytest.raises(ResponseError):
+            await bad
+        stats = await lib.info("commandstats")
+        assert stats["cmdstat_eval"]["calls"] == 1 and lean.connects == 1       # three claims, one EVAL
+        await lib.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        with pytest.raises(RedisConnectionError, match=r"no reply in 0\.3s"):
+            await pipe.call("GET", "s")
+    finally:
+        await lib.execute_command("CLIENT", "UNPAUSE")
+        await pipe.close()
+        await lean.close()
+        await lib.aclose()
