@@ -1,14 +1,15 @@
 """The admission scripts' own Redis connection: EVALSHA written to the socket when called, replies read
-by a protocol callback (`--admission-client lean`, the default for a plain or Unix-socket Redis).
+by a protocol callback (`--redis-client lean`, the default for a plain or Unix-socket Redis; the cluster
+pipeline of router_svc/cluster_redis.py writes its commands here too, `command()`).
 
 Why not redis-py for these calls: its asyncio client runs each command as a task that first takes a
 pooled connection and checks it (awaits that each cost a loop turn) before it writes, and costs ~100
 µs of CPU per command on this 2-core machine (a raw asyncio socket with hiredis: ~36 µs). A request's
 ENQUEUE, sent early so that Redis answers while the router tokenizes the prompt
-(`--admit-while-tokenizing`, router_svc/local_tokenize.py), reached Redis 1.3 ms after the encode had
-started, i.e. after it had ended (`tokenrelay up`, chat-multiturn, spans against Redis's MONITOR;
-docs/benchmarks.md): the two did not overlap at all. Here the command is on the wire before `call`
-returns.
+(`--admit-while-tokenizing`, router_svc/local_tokenize.py), reached Redis 0.93 ms (p50) after a 0.54 ms
+encode had started, i.e. after it had ended (`tokenrelay up`, chat-multiturn, spans against Redis's
+MONITOR; docs/benchmarks.md): the two did not overlap at all. Here the command is on the wire before
+`call` returns.
 
 What it keeps of redis-py's behaviour: the same replies (RESP2, bytes and ints) and exceptions
 (`OutOfMemoryError`, `NoScriptError`-free: an unknown script is sent once with its body, as after a
