@@ -138,7 +138,7 @@ class Admission:
         self.lean: ScriptClient | None = None
         if settings.redis_client == "lean" and lean_eligible(url, options):
             self.lean = ScriptClient(url, password=options.get("password", ""), connect_timeout=settings.op_timeout,
-                                     stall_timeout=backstop)
+                                     stall_timeout=backstop, tls=options)
         self.classes = settings.class_table()
         self._classes_arg = ";".join(f"{c.name},{c.min_share},{c.max_queued}" for c in self.classes)
         self._class_of: dict[int, str] = {}

@@ -54,7 +54,7 @@ class AdmissionSettings(Section):
         "lean", description="the client of the router's calls on a request's path (admission scripts, request-id "
                             "claims and releases, Cancel, sessions, shared placements): lean = one pipelined "
                             "connection that writes each call when it is made (router_svc/redis_scripts.py); "
-                            "redis-py = the library's pool. A TLS or cluster URL always uses redis-py")
+                            "redis-py = the library's pool. A cluster URL always uses redis-py")
     queue_classes: str = Field(
         "interactive:0:4096,standard:0.1:4096,batch:0.05:4096",
         description="priority classes, highest first, as name:min_share:max_queued. Strict priority, except "

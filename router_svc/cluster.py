@@ -121,7 +121,7 @@ class RedisCluster:
         self.lean: ScriptClient | None = None
         if lean and lean_eligible(str(redis_url), options):
             self.lean = ScriptClient(str(redis_url), password=options.get("password", ""), connect_timeout=op_timeout,
-                                     stall_timeout=10 * op_timeout)
+                                     stall_timeout=10 * op_timeout, tls=options)
         self.pipe = Pipeliner(self.redis, op_timeout, self.lean)
         self.op_timeout = op_timeout
         self.warn = Warned()

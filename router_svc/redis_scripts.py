@@ -1,5 +1,5 @@
 """The admission scripts' own Redis connection: EVALSHA written to the socket when called, replies read
-by a protocol callback (`--redis-client lean`, the default for a plain or Unix-socket Redis; the cluster
+by a protocol callback (`--redis-client lean`, the default for one Redis over TCP, a Unix socket or TLS; the cluster
 pipeline of router_svc/cluster_redis.py writes its commands here too, `command()`).
 
 Why not redis-py for these calls: its asyncio client runs each command as a task that first takes a
@@ -19,7 +19,9 @@ seen at once) is sent once more on a new connection, which is safe for these scr
 idempotent by its nonce, SETTLE answers "settled already", CANCEL and BEAT are idempotent); and a
 connection that answers nothing for `stall_timeout` s is dropped, like redis-py's socket timeout, so a
 silently dead peer does not hold every later call.
-What it does not do: TLS and Redis Cluster (the admission then uses redis-py, `lean_eligible`).
+TLS (`rediss://`) is redis-py's own: its `RedisSSLContext` with the same files and defaults (the
+certificate and its host name verified). What it does not do: Redis Cluster (the router then uses
+redis-py, `lean_eligible`).
 One connection carries every call, pipelined: Redis runs commands one at a time anyway.
 """
 
@@ -27,12 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import hiredis
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import RedisSSLContext, parse_url
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -44,10 +47,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 __all__ = ["ScriptClient", "lean_eligible", "pack"]
 
 
+_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
 def lean_eligible(url: str, options: dict[str, Any]) -> bool:
-    """A plain TCP or Unix-socket Redis without TLS: what `ScriptClient` serves."""
+    """One Redis (TCP, Unix socket, or TLS with the options the settings give): what `ScriptClient` serves."""
     scheme = url.split("://", 1)[0]
+    if scheme == "rediss":
+        return all(k in _TLS_OPTIONS or k == "password" for k in options)
     return scheme in ("redis", "unix") and not any(k.startswith("ssl") for k in options)
+
+
+def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """redis-py's context for these files (`SSLConnection`'s defaults: the peer's certificate required,
+    its host name checked)."""
+    return RedisSSLContext(keyfile=options.get("ssl_keyfile"), certfile=options.get("ssl_certfile"),
+                           cert_reqs="required", ca_certs=options.get("ssl_ca_certs"), check_hostname=True).get()
 
 
 def _arg(value: Any) -> bytes:
@@ -171,8 +186,10 @@ class ScriptClient:
     """Script calls over one pipelined connection (module doc). `call()` returns a future of the reply."""
 
     def __init__(self, url: str, *, password: str = "", connect_timeout: float = 2.0,
-                 stall_timeout: float = 20.0) -> None:
+                 stall_timeout: float = 20.0, tls: dict[str, Any] | None = None) -> None:
         kw = parse_url(url)
+        # `tls`: the ssl_* options of a rediss:// URL (AdmissionSettings.redis_options)
+        self._tls = _tls_context(tls or {}) if url.startswith("rediss://") else None
         self._path: str | None = kw.get("path")
         self._host: str = kw.get("host") or "localhost"
         self._port: int = int(kw.get("port") or 6379)
@@ -210,7 +227,7 @@ class ScriptClient:
         conn, self._conn = self._conn, None
         if conn is not None and conn.transport is not None:
             conn.transport.close()
-        self._fail(self._queued, RedisConnectionError("the admission store client is closed"))
+        self._fail(self._queued, RedisConnectionError("Redis: the client is closed"))
         self._queued = []
 
     # ------------------------------------------------------------------------------ internals
@@ -218,7 +235,7 @@ class ScriptClient:
         if call.future.done():        # its caller gave up meanwhile (only at close)
             return
         if self._closed:
-            call.future.set_exception(RedisConnectionError("the admission store client is closed"))
+            call.future.set_exception(RedisConnectionError("Redis: the client is closed"))
             return
         conn = self._conn
         if conn is not None and not conn.closed:
@@ -235,7 +252,9 @@ class ScriptClient:
                 if self._path:
                     _, conn = await loop.create_unix_connection(lambda: _Connection(self), self._path)
                 else:
-                    _, conn = await loop.create_connection(lambda: _Connection(self), self._host, self._port)
+                    _, conn = await loop.create_connection(lambda: _Connection(self), self._host, self._port,
+                                                           ssl=self._tls,
+                                                           server_hostname=self._host if self._tls else None)
                 handshake: list[tuple[Any, ...]] = []
                 if self._password:
                     auth = ("AUTH", self._username, self._password) if self._username else ("AUTH", self._password)
@@ -251,7 +270,7 @@ class ScriptClient:
         except Exception as exc:  # noqa: BLE001 - every cause fails the waiting calls alike
             queued, self._queued = self._queued, []
             error = exc if isinstance(exc, (AuthenticationError, ResponseError)) else RedisConnectionError(
-                f"admission store: cannot connect ({exc!r})")
+                f"Redis: cannot connect ({type(exc).__name__}: {exc})")
             self._fail(queued, error)
             return
         self.connects += 1
@@ -283,7 +302,7 @@ class ScriptClient:
     def _lost(self, conn: _Connection, waiting: list[_Call | asyncio.Future[Any]], exc: Exception | None) -> None:
         if self._conn is conn:
             self._conn = None
-        why = RedisConnectionError(f"admission store connection lost ({self.last_abort or exc!r})")
+        why = RedisConnectionError(f"Redis: connection lost ({self.last_abort or exc or 'closed by the server'})")
         self.last_abort = ""
         for entry in waiting:
             if not isinstance(entry, _Call):

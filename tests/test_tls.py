@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import ipaddress
 import pathlib
 import shutil
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.cluster_redis import open_redis
 from router_svc.config import RouterSettings
+from router_svc.redis_scripts import ScriptClient, lean_eligible
 from services import channels
 from services.channels import open_channel
 from services.client import Client, Unavailable
@@ -223,6 +225,40 @@ async def test_redis_over_tls_needs_the_password_and_a_client_certificate(certs:
         with pytest.raises(Exception):   # noqa: B017 - a plaintext client gets no answer it can parse
             await plain.ping()
         await plain.aclose()
+    finally:
+        redis.proc.terminate()  # type: ignore[union-attr]
+        redis.proc.wait(10)  # type: ignore[union-attr]
+
+
+async def test_the_lean_redis_client_over_tls_needs_the_password_and_a_client_certificate(
+        certs: Certs, tmp_path: pathlib.Path) -> None:
+    """router_svc/redis_scripts.py over rediss:// with the router's TLS options (redis-py's context)."""
+    redis = TlsRedisProc(tmp_path, pathlib.Path(certs.server_crt), pathlib.Path(certs.server_key),
+                         pathlib.Path(certs.ca_crt), REDIS_PASSWORD)
+    redis.start()
+    good = {"ssl_ca_certs": certs.ca_crt, "ssl_certfile": certs.client_crt, "ssl_keyfile": certs.client_key,
+            "password": REDIS_PASSWORD}
+    body = "#!lua\nreturn redis.call('INCR', KEYS[1])"
+    sha = hashlib.sha1(body.encode()).hexdigest()
+    try:
+        no_cert = {k: v for k, v in good.items() if k not in ("ssl_certfile", "ssl_keyfile")}
+        assert lean_eligible(redis.url, good)
+        for options, error in [({**good, "password": "wrong"}, "invalid username-password"),
+                               (no_cert, "CERTIFICATE_REQUIRED|reset by peer|connection lost"),
+                               ({**good, "ssl_ca_certs": certs.other_crt}, "CERTIFICATE_VERIFY_FAILED"),
+                               (good, None)]:
+            tls = {k: v for k, v in options.items() if k != "password"}
+            client = ScriptClient(redis.url, password=options["password"], connect_timeout=2.0, tls=tls)
+            try:
+                if error is None:
+                    assert await client.call(sha, body, ["n"], []) == 1
+                    assert await client.command("GET", "n") == b"1"
+                else:
+                    with pytest.raises(Exception, match=error) as info:
+                        await client.call(sha, body, ["n"], [])
+                    assert REDIS_PASSWORD not in str(info.value)
+            finally:
+                await client.close()
     finally:
         redis.proc.terminate()  # type: ignore[union-attr]
         redis.proc.wait(10)  # type: ignore[union-attr]

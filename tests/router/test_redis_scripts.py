@@ -174,9 +174,10 @@ async def test_auth_and_db_from_the_url_and_the_password(redis_proc: RedisProc) 
 
 def test_who_gets_the_lean_client() -> None:
     assert lean_eligible("unix:///tmp/r.sock", {}) and lean_eligible("redis://h:1/0", {"password": "p"})
-    assert not lean_eligible("rediss://h:1/0", {})
-    assert not lean_eligible("redis+cluster://h:1", {})
-    assert not lean_eligible("redis://h:1/0", {"ssl_ca_certs": "ca.pem"})
+    assert lean_eligible("rediss://h:1/0", {}) and lean_eligible("rediss://h:1/0", {"ssl_ca_certs": "ca.pem"})
+    assert not lean_eligible("redis+cluster://h:1", {}) and not lean_eligible("rediss+cluster://h:1", {})
+    assert not lean_eligible("redis://h:1/0", {"ssl_ca_certs": "ca.pem"})      # TLS files for a plaintext URL
+    assert not lean_eligible("rediss://h:1/0", {"ssl_cert_reqs": "none"})      # an option it does not take
     assert AdmissionSettings().redis_client == "lean"
 
 
