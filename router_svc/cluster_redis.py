@@ -51,6 +51,7 @@ async def subscribe(redis: RedisClient, pubsub: Any, *channels: str) -> None:
 
 
 _Op = tuple[str, tuple[Any, ...], "asyncio.Future[Any]", str]  # command or script, args, future, key
+LEAN_BATCHES = 4      # batches in flight at once on a lean connection (Pipeliner)
 
 
 class Pipeliner:
@@ -67,8 +68,12 @@ class Pipeliner:
     def __init__(self, redis: RedisClient, timeout: float, lean: ScriptClient | None = None) -> None:
         self._redis = redis
         # With `lean` (router_svc/redis_scripts.py), a batch is written on that connection when its
-        # turn comes, and the next batch does not wait for its replies; else one redis-py pipeline.
+        # turn comes, and the next does not wait for its replies while fewer than LEAN_BATCHES are in
+        # flight (beyond them the operations wait and go out together, as with one redis-py pipeline
+        # in flight: under load the batches grow instead of their number).
         self._lean = lean
+        self._lean_batches = 0
+        self._lean_room = asyncio.Event()
         self._timeout = timeout
         self._pending: list[_Op] = []
         self._wake = asyncio.Event()
@@ -107,6 +112,10 @@ class Pipeliner:
         while not self._closed:
             await self._wake.wait()
             self._wake.clear()
+            if self._lean is not None:
+                while self._lean_batches >= LEAN_BATCHES and not self._closed:
+                    self._lean_room.clear()
+                    await self._lean_room.wait()
             batch, self._pending = self._pending, []
             if batch:
                 await self._send(batch)
@@ -159,24 +168,34 @@ class Pipeliner:
     def _send_lean(self, entries: list[tuple[tuple[Any, ...], list[asyncio.Future[Any]], bool]]) -> None:
         assert self._lean is not None
         waiting = [fut for _, futs, _ in entries for fut in futs]
+        left = [len(entries)]         # entries not answered yet
+        counted = [True]              # the batch counts against LEAN_BATCHES
+        self._lean_batches += 1
 
-        def expire() -> None:      # the batch's bound, as the pipeline's wait_for
+        def free() -> None:
+            if counted[0]:
+                counted[0] = False
+                self._lean_batches -= 1
+                self._lean_room.set()
+
+        def expire() -> None:      # the batch's bound, as the pipeline's wait_for; its slot is free again
             for fut in waiting:
                 if not fut.done():
                     fut.set_exception(RedisConnectionError(f"cluster store: no reply in {self._timeout:.1f}s"))
+            free()
         timer = asyncio.get_running_loop().call_later(self._timeout, expire)
-        left = [len(entries)]
 
         def answered(op: asyncio.Future[Any], futs: list[asyncio.Future[Any]], keyed: bool) -> None:
             left[0] -= 1
             if left[0] == 0:
                 timer.cancel()
+                free()
             if op.cancelled():
                 reply: Any = RedisConnectionError("cluster store: cancelled")
             else:
                 reply = op.exception()
-                if isinstance(reply, RedisConnectionError) or isinstance(reply, OSError):
-                    reply = RedisConnectionError(f"cluster store: {reply!r}")
+                if isinstance(reply, (RedisConnectionError, OSError)):
+                    reply = RedisConnectionError(f"cluster store: {reply}")
                 elif reply is None:
                     reply = op.result()
             self._deliver(futs, keyed, reply)
@@ -200,6 +219,7 @@ class Pipeliner:
     async def close(self) -> None:
         self._closed = True
         self._wake.set()
+        self._lean_room.set()
         if self._task is not None:
             await stop_tasks([self._task], self._timeout * 2)
         for *_, fut, _ in self._pending:

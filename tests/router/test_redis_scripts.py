@@ -218,3 +218,46 @@ async def test_the_cluster_pipeline_on_the_lean_connection(redis_proc: RedisProc
         await pipe.close()
         await lean.close()
         await lib.aclose()
+
+
+async def test_the_lean_pipeline_holds_batches_back_while_four_are_in_flight(redis_proc: RedisProc) -> None:
+    """Beyond LEAN_BATCHES batches in flight the operations wait and go out together (one EVAL for the
+    claims that waited); a stalled Redis still answers every caller within the batch bound."""
+    from router_svc.cluster import _CLAIM
+    from router_svc.cluster_redis import LEAN_BATCHES, Pipeliner, open_redis
+
+    lean = _client(redis_proc.url)
+    lib = open_redis(redis_proc.url, 0.5)
+    pipe = Pipeliner(lib, 1.0, lean)
+    pipe.start()
+    try:
+        await pipe.call("PING")
+        await lib.config_resetstat()
+        await lib.execute_command("CLIENT", "PAUSE", 300, "ALL")
+        held = []
+        for i in range(LEAN_BATCHES):              # one batch per loop turn, each stuck in Redis
+            held.append(pipe.submit("GET", f"g{i}"))
+            await asyncio.sleep(0.01)
+        claims = []
+        for i in range(10):                         # these wait for room, each in a loop turn of its own
+            claims.append(pipe.submit_keyed(_CLAIM, f"c{i}", "router-a", 10_000))
+            await asyncio.sleep(0.01)
+        assert await asyncio.gather(*held) == [None] * LEAN_BATCHES
+        assert await asyncio.gather(*claims) == [b""] * 10
+        stats = await lib.info("commandstats")
+        assert stats["cmdstat_eval"]["calls"] == 1          # the ten claims went out as one call
+        # Stalled for longer than the bound: every caller hears within it, batches in flight or not.
+        await lib.execute_command("CLIENT", "PAUSE", 2500, "ALL")
+        t0 = time.monotonic()
+        stuck = []
+        for i in range(LEAN_BATCHES + 3):
+            stuck.append(pipe.submit("GET", f"s{i}"))
+            await asyncio.sleep(0.01)
+        results = await asyncio.gather(*stuck, return_exceptions=True)
+        assert all(isinstance(r, RedisConnectionError) for r in results), results
+        assert time.monotonic() - t0 < 2.3
+    finally:
+        await lib.execute_command("CLIENT", "UNPAUSE")
+        await pipe.close()
+        await lean.close()
+        await lib.aclose()
