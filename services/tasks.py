@@ -28,10 +28,20 @@ class OwnedTask:
         if not self.running:
             self._task = asyncio.get_running_loop().create_task(run(), name=self.name)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 10.0) -> None:
+        """Cancel and await it. A cancel that the task's code swallowed (Python 3.11's `asyncio.timeout`
+        can lose an outer cancel that lands as its own deadline passes; some libraries' waits catch it)
+        is sent again every 50 ms, for at most `timeout` s: a close never hangs on it. The task's own
+        error, if it failed, is raised."""
         task, self._task = self._task, None
-        if task is not None:
+        if task is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not task.done() and loop.time() < deadline:
             task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+        if task.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
