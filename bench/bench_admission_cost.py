@@ -6,8 +6,9 @@ holding one real `router_svc.admission.Admission` (its own connection pool, hear
 listener and reaper: what one router process runs). Per rate, every worker runs two phases with an
 open-loop Poisson arrival at rate/N (after an unrecorded warm-up of each):
 
-- baseline: one EVALSHA of a trivial one-key script per arrival, on the Admission's own redis-py
-  client and pool: the raw library + socket + Redis cost, in the same processes, same run;
+- baseline: one EVALSHA of a trivial one-key script per arrival, on the client the Admission's own
+  calls use (its lean connection, router_svc/redis_scripts.py, or with --redis-client redis-py its
+  redis-py pool): the raw client + socket + Redis cost, in the same processes, same run;
 - admission: admit (call -> granted) -> hold --service-ms -> settle_tokens (call -> done).
 
 Per phase it reports admit (or baseline call) latency p50/p90/p99, the ratio of admission's p50 and
@@ -79,34 +80,44 @@ class Worker:
         self.index, self.cfg = index, cfg
         settings = AdmissionSettings(redis_url=cfg["url"], pool="bench", pool_capacity=cfg["capacity"] or 1_000_000,
                                      max_connections=cfg["max_connections"], lease_ttl=cfg["lease_ttl"],
-                                     reap_interval=cfg["reap_interval"])
+                                     reap_interval=cfg["reap_interval"], redis_client=cfg["redis_client"])
         self.adm = Admission(settings, router_id=f"bench-w{index}")
         self.calls: Counter[str] = Counter()
         self.failed: Counter[str] = Counter()
         self.anomalies: list[dict[str, Any]] = []
         self.settled: set[str] = set()
-        for name in SCRIPTS:   # count every script call this process makes (the hot path and background)
-            self.adm._scripts[name] = self._counted(name, self.adm._scripts[name])
+        # Count every script call this process makes (the hot path and background), whichever client
+        # carries it: `Admission.call` is where each one starts.
+        self._call = self.adm.call
+        self._pending: set[asyncio.Future[Any]] = set()
+        self.adm.call = self._counted    # type: ignore[method-assign]
         self.baseline = self.adm.redis.register_script(BASELINE_LUA)
         self.rng = random.Random(cfg["seed"] * 1000 + index)
 
-    def _counted(self, name: str, script: Any) -> Any:
-        async def call(*args: Any, **kw: Any) -> Any:
-            self.calls[name] += 1
-            try:
-                reply = await script(*args, **kw)
-            except BaseException:
+    def _counted(self, name: str, *args: Any) -> asyncio.Future[Any]:
+        self.calls[name] += 1
+        op = self._call(name, *args)
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
                 self.failed[name] += 1
-                raise
+                return
+            reply = fut.result()
+            # args: n, then the first entry's member and fence (SETTLE); the reply's first status is its own
             if name == "SETTLE" and int(reply[0]) == 0:          # stale fence or unknown: the bench's error
-                await self.anomaly("settle_refused", kw["args"][4], kw["args"][5])
+                self._later(self.anomaly("settle_refused", _text(args[1]), args[2]))
             elif name == "BEAT":
                 rest = reply[len(self.adm.classes):]
                 for i in range(0, len(rest) - 2, 3):
                     if rest[i] == b"lost":
-                        await self.anomaly("beat_lease_lost", rest[i + 1].decode(), "")
-            return reply
-        return call
+                        self._later(self.anomaly("beat_lease_lost", rest[i + 1].decode(), ""))
+        op.add_done_callback(done)
+        return op
+
+    def _later(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def anomaly(self, kind: str, member: str, fence: Any) -> None:
         """Counted; the first few kept with the record's state in Redis now (to tell a race from a loss)."""
@@ -122,7 +133,11 @@ class Worker:
         self.calls["BASELINE"] += 1
         t0 = time.perf_counter()
         try:
-            await self.baseline(keys=[f"bench:{{bench}}:k{i % 64}"])
+            key = f"bench:{{bench}}:k{i % 64}"
+            if self.adm.lean is not None:     # the same client as the admission's calls (--redis-client)
+                await self.adm.lean.call(self.baseline.sha, self.baseline.script, [key], [])
+            else:
+                await self.baseline(keys=[key])
         except Exception as exc:  # noqa: BLE001 - counted, the run goes on
             out["errors"][type(exc).__name__] += 1
             return
@@ -402,6 +417,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reap-interval", type=float, default=0.25, help="seconds between each worker's REAP calls")
     ap.add_argument("--appendonly", choices=["yes", "no"], default="yes", help="redis-server --appendonly")
     ap.add_argument("--appendfsync", choices=["always", "everysec", "no"], default="everysec")
+    ap.add_argument("--redis-client", choices=["lean", "redis-py"], default="lean",
+                    help="the client of the admission's calls (and of the baseline's), as the router's --redis-client")
     ap.add_argument("--cpu-list", default="", help="CPUs: the first for redis-server, then one per worker")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default="", metavar="PATH", help="write every figure here as JSON")
@@ -420,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_cpus = [cpus[1 + i % max(1, len(cpus) - 1)] if len(cpus) > 1 else None for i in range(args.workers)]
     server = RedisServer(args.appendonly, args.appendfsync, cpus[0] if cpus else None)
     cfg = {"url": server.url, "capacity": args.capacity, "max_connections": args.max_connections,
+           "redis_client": args.redis_client,
            "lease_ttl": args.lease_ttl, "reap_interval": args.reap_interval, "tenants": args.tenants,
            "cost": args.cost, "service_ms": args.service_ms, "seed": args.seed}
     try:
