@@ -50,7 +50,7 @@ from .admission_settings import AdmissionSettings
 from .budget_memo import BudgetMemo
 from .cluster_redis import open_redis
 from .ports import AdmitRequest
-from .redis_scripts import ScriptClient, lean_eligible
+from .redis_scripts import ScriptClient, open_lean
 
 __all__ = ["Admission", "AdmissionSettings", "Admitting", "Lease"]
 
@@ -134,11 +134,10 @@ class Admission:
         self._scripts = {name: self.redis.register_script(getattr(queue_lua, name))
                          for name in ("ENQUEUE", "SETTLE", "CANCEL", "BEAT", "REAP")}
         # The scripts' calls on a connection of their own that writes each at once (redis_scripts.py).
-        url, options = str(settings.redis_url), settings.redis_options()
         self.lean: ScriptClient | None = None
-        if settings.redis_client == "lean" and lean_eligible(url, options):
-            self.lean = ScriptClient(url, password=options.get("password", ""), connect_timeout=settings.op_timeout,
-                                     stall_timeout=backstop, tls=options)
+        if settings.redis_client == "lean":
+            self.lean = open_lean(str(settings.redis_url), settings.redis_options(),
+                                  connect_timeout=settings.op_timeout, stall_timeout=backstop)
         self.classes = settings.class_table()
         self._classes_arg = ";".join(f"{c.name},{c.min_share},{c.max_queued}" for c in self.classes)
         self._class_of: dict[int, str] = {}

@@ -49,7 +49,7 @@ from services.logging import get_logger
 
 from .cluster_redis import REDIS_ERRORS, Pipeliner, Warned, numsub, open_redis, stop_tasks, subscribe
 from .placement import LocalSessionAffinity
-from .redis_scripts import ScriptClient, lean_eligible
+from .redis_scripts import ScriptClient, open_lean
 from .request import LocalRequestRegistry
 
 log = get_logger(__name__)
@@ -119,9 +119,8 @@ class RedisCluster:
         self.redis = open_redis(redis_url, op_timeout, **options)
         # The pipeline's commands on a connection that writes them at once (router_svc/redis_scripts.py).
         self.lean: ScriptClient | None = None
-        if lean and lean_eligible(str(redis_url), options):
-            self.lean = ScriptClient(str(redis_url), password=options.get("password", ""), connect_timeout=op_timeout,
-                                     stall_timeout=10 * op_timeout, tls=options)
+        if lean:
+            self.lean = open_lean(str(redis_url), options, connect_timeout=op_timeout, stall_timeout=10 * op_timeout)
         self.pipe = Pipeliner(self.redis, op_timeout, self.lean)
         self.op_timeout = op_timeout
         self.warn = Warned()

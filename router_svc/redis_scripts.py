@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import ssl
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,13 +45,13 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-__all__ = ["ScriptClient", "lean_eligible", "pack"]
+__all__ = ["ScriptClient", "lean_eligible", "open_lean", "pack"]
 
 
 _TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
-def lean_eligible(url: str, options: dict[str, Any]) -> bool:
+def lean_eligible(url: str, options: Mapping[str, Any]) -> bool:
     """One Redis (TCP, Unix socket, or TLS with the options the settings give): what `ScriptClient` serves."""
     scheme = url.split("://", 1)[0]
     if scheme == "rediss":
@@ -58,7 +59,17 @@ def lean_eligible(url: str, options: dict[str, Any]) -> bool:
     return scheme in ("redis", "unix") and not any(k.startswith("ssl") for k in options)
 
 
-def _tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+def open_lean(url: str, options: Mapping[str, Any], *, connect_timeout: float,
+              stall_timeout: float) -> ScriptClient | None:
+    """A `ScriptClient` for this URL and the settings' Redis options (TLS files, password), or None
+    where it does not serve (a cluster, TLS options it does not take): the caller keeps redis-py."""
+    if not lean_eligible(url, options):
+        return None
+    return ScriptClient(url, password=options.get("password", ""), connect_timeout=connect_timeout,
+                        stall_timeout=stall_timeout, tls=options)
+
+
+def _tls_context(options: Mapping[str, Any]) -> ssl.SSLContext:
     """redis-py's context for these files (`SSLConnection`'s defaults: the peer's certificate required,
     its host name checked)."""
     return RedisSSLContext(keyfile=options.get("ssl_keyfile"), certfile=options.get("ssl_certfile"),
@@ -186,7 +197,7 @@ class ScriptClient:
     """Script calls over one pipelined connection (module doc). `call()` returns a future of the reply."""
 
     def __init__(self, url: str, *, password: str = "", connect_timeout: float = 2.0,
-                 stall_timeout: float = 20.0, tls: dict[str, Any] | None = None) -> None:
+                 stall_timeout: float = 20.0, tls: Mapping[str, Any] | None = None) -> None:
         kw = parse_url(url)
         # `tls`: the ssl_* options of a rediss:// URL (AdmissionSettings.redis_options)
         self._tls = _tls_context(tls or {}) if url.startswith("rediss://") else None
