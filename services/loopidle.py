@@ -51,7 +51,6 @@ def idle_seconds(loop: asyncio.AbstractEventLoop) -> float | None:
     return selector.idle
 
 
-
 def cpu_allowance(cgroup_root: pathlib.Path = pathlib.Path("/sys/fs/cgroup"),
                   own_cgroups: str | None = None) -> float:
     """How many CPUs this process may use: the CPUs it may run on (its affinity), capped by the CPU

@@ -28,7 +28,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     SimpleSpanProcessor,
@@ -50,12 +50,11 @@ class _ExportingSampler(Sampler):
 
     def should_sample(self, parent_context: Any, trace_id: int, name: str, kind: Any = None,
                       attributes: Any = None, links: Any = None, trace_state: Any = None) -> SamplingResult:
-        if _exporting:
-            return self._default.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
-        parent = trace.get_current_span(parent_context).get_span_context()
-        if parent.is_valid and parent.trace_flags.sampled:
-            return self._default.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
-        return self._drop
+        if not _exporting:
+            parent = trace.get_current_span(parent_context).get_span_context()
+            if not (parent.is_valid and parent.trace_flags.sampled):
+                return self._drop
+        return self._default.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
 
     def get_description(self) -> str:
         return "ExportingSampler"
@@ -101,28 +100,31 @@ def configure_tracing(service: str, otlp_endpoint: str = "", exporter: SpanExpor
     ``trace_file`` (each service's ``--trace-file``) appends spans as JSON lines. A later call only
     adds its ``exporter`` to the provider already installed (tests attach in-memory exporters).
     """
-    global _provider, _exporting
+    global _provider
     if _provider is not None:
         if exporter is not None:
-            _provider.add_span_processor(SimpleSpanProcessor(exporter))
-            _exporting = True
+            _export(_provider, SimpleSpanProcessor(exporter))
         return
     provider = TracerProvider(resource=Resource.create({"service.name": service}), sampler=_ExportingSampler())
     if trace_file:
-        provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(trace_file)))
-        _exporting = True
+        _export(provider, SimpleSpanProcessor(JsonlSpanExporter(trace_file)))
     if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        _exporting = True
+        _export(provider, SimpleSpanProcessor(exporter))
     elif otlp_endpoint:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError as exc:  # pragma: no cover - depends on the optional extra
             raise SystemExit("OTLP export needs `pip install tokenrelay[otlp]`") from exc
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
-        _exporting = True
+        _export(provider, BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
     trace.set_tracer_provider(provider)
     _provider = provider
+
+
+def _export(provider: TracerProvider, processor: SpanProcessor) -> None:
+    """Attach an exporting processor: from now on this process records the spans it starts."""
+    global _exporting
+    provider.add_span_processor(processor)
+    _exporting = True
 
 
 def tracer(name: str) -> trace.Tracer:
