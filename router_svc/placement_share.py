@@ -121,7 +121,6 @@ class PlacementShare:
         # No other router listens (module doc, "Alone"); never assumed for a cluster client, whose
         # PUBLISH counts the subscribers of one node only.
         self._alone = False
-        self._heard_peer = 0        # messages heard from other routers (a PUBLISH's count predates them)
         self._quiet_since = 0.0     # subscribed, or last heard another router (monotonic)
         self._can_be_alone = not isinstance(redis, RedisCluster)
         own = json.dumps({"r": router_id}, separators=(",", ":"))[:-1] + ","
@@ -196,9 +195,9 @@ class PlacementShare:
         self._sent_vector, self._sent_at = vector, time.monotonic()
         self._publishing += 1
         fut = self.pipe.submit("PUBLISH", self.channel, message)
-        fut.add_done_callback(functools.partial(self._published, records=len(records), heard=self._heard_peer))
+        fut.add_done_callback(functools.partial(self._published, records=len(records), sent=self._sent_at))
 
-    def _published(self, fut: asyncio.Future[Any], records: int, heard: int) -> None:
+    def _published(self, fut: asyncio.Future[Any], records: int, sent: float) -> None:
         self._publishing -= 1
         if fut.cancelled():
             return
@@ -211,9 +210,9 @@ class PlacementShare:
                 PLACEMENT_SHARE.labels("sent").inc(records)
             heard_by = fut.result()
             # Not within `stale` s of subscribing or of hearing another router (one that is joining
-            # may be subscribed without having been heard yet), nor when one was heard since this
-            # PUBLISH went out (it subscribed after the count).
-            if self._can_be_alone and isinstance(heard_by, int) and heard == self._heard_peer:
+            # may be subscribed without having been heard yet), nor when one was heard (or this router
+            # subscribed again) since this PUBLISH went out: it subscribed after the count.
+            if self._can_be_alone and isinstance(heard_by, int) and self._quiet_since <= sent:
                 self._alone = heard_by <= 1 and time.monotonic() - self._quiet_since >= self.stale
         if self._buffer:
             self._schedule()
@@ -274,9 +273,8 @@ class PlacementShare:
             PLACEMENT_SHARE.labels("bad_message").inc()
             self._warn("placement_share_message", exc)
             return
-        self._remote[sender] = (time.monotonic(), vector)
-        self._heard_peer += 1
         self._quiet_since = time.monotonic()
+        self._remote[sender] = (self._quiet_since, vector)
         if self._alone:    # another router listens: tell it this one's vector (and what follows) now
             self._alone = False
             self._schedule()
