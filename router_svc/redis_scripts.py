@@ -22,7 +22,8 @@ silently dead peer does not hold every later call.
 TLS (`rediss://`) is redis-py's own: its `RedisSSLContext` with the same files and defaults (the
 certificate and its host name verified). What it does not do: Redis Cluster (the router then uses
 redis-py, `lean_eligible`).
-One connection carries every call, pipelined: Redis runs commands one at a time anyway.
+One connection carries every call of a client, pipelined: Redis runs commands one at a time anyway. A
+router process has two clients, the admission's and the cluster pipeline's (`open_lean`).
 """
 
 from __future__ import annotations
