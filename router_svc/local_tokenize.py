@@ -68,18 +68,39 @@ class LocalTokenize:
     async def close(self) -> None:
         await self.encoder.close()
 
-    async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
-                       timeout: float | None = None, cache_key: str = "",
-                       allow_special_tokens: bool = False) -> list[int]:
+    def _here(self, text: str | None, messages: list[tuple[str, str]] | None, cache_key: str,
+              allow_special_tokens: bool) -> TextInput | ChatInput | None:
+        """The encoder's input for a prompt this process tokenizes; None for one the service does."""
         size = (len((text or "").encode()) if messages is None
                 else sum(len(r.encode()) + len(c.encode()) for r, c in messages))
         chat_here = messages is None or (self.encoder.template is not None and self.remote.meta is not None
                                          and self.remote.meta.has_chat_template)
         if size > self.max_bytes or not chat_here:
+            return None
+        return (TextInput(text or "", True, allow_special_tokens) if messages is None else
+                ChatInput([{"role": r, "content": c} for r, c in messages], True, cache_key, allow_special_tokens))
+
+    def tokenize_now(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
+                     cache_key: str = "", allow_special_tokens: bool = False) -> list[int] | None:
+        """The prompt's ids without a loop turn, when it is one this process encodes and its encoder
+        is idle; None otherwise (then `tokenize`). For a request nothing else is started for (no
+        early ENQUEUE to overlap): a refusal decided on its ids is then decided in one turn."""
+        item = self._here(text, messages, cache_key, allow_special_tokens)
+        if item is None:
+            return None
+        ran = self.encoder.tokenize_now([item])
+        if ran is None:
+            return None
+        self.local_calls += 1
+        return list(ran[0])
+
+    async def tokenize(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
+                       timeout: float | None = None, cache_key: str = "",
+                       allow_special_tokens: bool = False) -> list[int]:
+        item = self._here(text, messages, cache_key, allow_special_tokens)
+        if item is None:
             return list(await self.remote.tokenize(text=text, messages=messages, timeout=timeout,
                                                    cache_key=cache_key, allow_special_tokens=allow_special_tokens))
-        item = (TextInput(text or "", True, allow_special_tokens) if messages is None else
-                ChatInput([{"role": r, "content": c} for r, c in messages], True, cache_key, allow_special_tokens))
         self.local_calls += 1
         # Two loop turns before an encode that may run on the loop itself: the request's early
         # ENQUEUE (router_svc/pipeline.py, started just before this) is then written to Redis (its

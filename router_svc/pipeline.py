@@ -202,7 +202,13 @@ class Router:
         # The early admission first: its ENQUEUE is on its way before an encode in this process
         # (router_svc/local_tokenize.py) holds the loop.
         estimate, early, refused_on_estimate = self._early(tenant, state, rctx)
-        tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
+        if refused_on_estimate and self._tokenize_now(tenant, state):
+            # Tokenized here and now (nothing to overlap): a refusal on its real count is decided in
+            # this loop turn, as the estimate's was.
+            tokenizing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            tokenizing.set_result(None)
+        else:
+            tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
         if inp.session_id:   # the session's replica, fetched meanwhile (placement reads it), after those
             state.sticky = asyncio.ensure_future(self.ports.affinity.get(tenant.name, inp.session_id))
             state.sticky.add_done_callback(retrieve)   # the request may end before placement reads it
@@ -364,10 +370,32 @@ class Router:
             else:
                 state.prompt_ids = await tok.tokenize(text=inp.prompt, timeout=state.remaining(),
                                                       allow_special_tokens=tenant.allow_control_tokens)
+        self._tokenize_done(state, t)
+
+    def _tokenize_now(self, tenant: Tenant, state: RequestState) -> bool:
+        """Tokenize the prompt without a loop turn when the tokenizer port can (`tokenize_now`: a
+        short prompt this process encodes, its encoder idle); False when it cannot."""
+        inp = state.inp
+        now = getattr(self.ports.tokenizer, "tokenize_now", None)
+        if now is None or inp.token_ids is not None:
+            return False
+        t = time.monotonic()
+        if inp.messages is not None:
+            ids = now(messages=inp.messages, allow_special_tokens=tenant.allow_control_tokens,
+                      cache_key=tokenize_cache_key(tenant.name, inp.session_id, inp.messages))
+        else:
+            ids = now(text=inp.prompt, allow_special_tokens=tenant.allow_control_tokens)
+        if ids is None:
+            return False
+        state.prompt_ids = ids
+        self._tokenize_done(state, t)
+        return True
+
+    def _tokenize_done(self, state: RequestState, t: float) -> None:
         state.t_tokenized = time.monotonic()
         state.timings.tokenize_seconds = state.t_tokenized - t
-        if inp.token_ids is None:
-            self.estimate.observe(inp, len(state.prompt_ids))
+        if state.inp.token_ids is None:
+            self.estimate.observe(state.inp, len(state.prompt_ids))
         state.check_deadline()
 
     async def _enqueue(self, tenant: Tenant, state: RequestState, rctx: Context, cost: int = 0) -> Admitting:

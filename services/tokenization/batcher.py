@@ -120,6 +120,13 @@ class Batcher(Generic[J, R]):
                 # The caller went away: the dispatcher will skip this job.
                 entry.future.cancel()
 
+    def run_now(self, job: J, size: int = 1) -> tuple[R] | None:
+        """`submit(job, inline=True)` when that would run the job here: its result (in a 1-tuple);
+        None when the batcher is busy or not running (then `submit` it)."""
+        if self._dispatcher is None or self._pending or self._idle != self.workers:
+            return None
+        return (self._run_inline(job, size),)
+
     def _run_inline(self, job: J, size: int) -> R:
         self._pending += size
         try:

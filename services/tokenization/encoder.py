@@ -144,6 +144,24 @@ class Encoder:
         metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - start)
         return result
 
+    def tokenize_now(self, inputs: Sequence[EncodeInput | None]) -> Any | None:
+        """`tokenize`'s ids, here and now, when the call is one `tokenize` would encode on the loop
+        (at most `inline_bytes` of text, the encoder idle); None when it would not (then `tokenize`).
+        Invalid inputs raise the same typed errors."""
+        start = time.perf_counter()
+        try:
+            checked, nbytes = self._validate(inputs)
+            if nbytes > self.limits.inline_bytes:
+                return None
+            ran = self.batcher.run_now(_Call(checked, None), size=len(checked))
+        except TokenrelayError as exc:
+            metrics.count_rejection(exc.reason)
+            raise
+        if ran is None:
+            return None
+        metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - start)
+        return ran[0]
+
     def _admit_bytes(self, nbytes: int) -> None:
         """Reject at once, rather than time out later, when the queued text is already too much:
         the input count alone says little when one input can be 32k tokens."""

@@ -13,7 +13,7 @@ from router_svc.budget_memo import BudgetMemo
 from router_svc.types import Done, GenerateInput, Sampling
 from services.errors import Reason, ResourceExhausted, TokenrelayError
 from tests.router.admission_kit import admission, req, settings
-from tests.router.core_fakes import TENANT, Core, core
+from tests.router.core_fakes import TENANT, Core, FakeTokenizer, core
 
 TPM = 6000          # 100 tokens per second: 10 ms of refill per token
 
@@ -237,3 +237,36 @@ async def test_a_request_the_budget_refuses_on_its_estimate_is_decided_on_its_re
     events = [ev async for ev in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=7), prompt="hello"))]
     assert isinstance(events[-1], Done) and len(claims) == 2
     assert [r.cost for r in c.admission.requests[asked + 1:]] == [9]     # asked once, on its real count
+
+
+class NowTokenizer(FakeTokenizer):
+    """A tokenizer port that can encode a prompt without a loop turn (as `LocalTokenize` can)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now_calls = 0
+
+    def tokenize_now(self, *, text: str | None = None, messages: list[tuple[str, str]] | None = None,
+                     cache_key: str = "", allow_special_tokens: bool = False) -> list[int] | None:
+        self.now_calls += 1
+        source = text if text is not None else "".join(c for _, c in messages or [])
+        return [10 + (ord(ch) % 50) for ch in source] or [10]
+
+
+async def test_a_refusal_on_the_real_count_is_decided_in_the_turn_the_request_came_in() -> None:
+    c = core()
+    c.router.ports.tokenizer = c.tokenizer = NowTokenizer()       # type: ignore[misc]
+    for i in range(16):                                # the router learns characters per token
+        async for _ in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=7), prompt="hello",
+                                                               request_id=f"w{i}")):
+            pass
+    c.admission.known_refusal = Reason.TOKEN_RATE_LIMITED.error("over its budget", retry_after=2.0)
+    c.admission.refused_from = 9                       # its least cost (8) passes, its estimate does not
+    turned: list[int] = []
+    asyncio.get_running_loop().call_soon(turned.append, 1)
+    with pytest.raises(TokenrelayError) as e:
+        await c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=7), prompt="hello")).__anext__()
+    assert e.value.reason == "TOKEN_RATE_LIMITED"
+    assert turned == []                                # no loop turn between the call and its refusal
+    assert c.tokenizer.now_calls == 1 and c.tokenizer.calls == 16
+    assert c.router.in_flight == 0

@@ -135,3 +135,31 @@ async def test_an_encode_here_lets_the_early_enqueue_reach_redis_first(local):
     finally:
         await lt.close()
     assert order == ["written", "encode"]
+
+
+async def test_tokenize_now_gives_the_same_ids_in_the_same_turn_or_says_it_cannot(local):
+    lt = _local_tok(local)
+    await lt.start()
+    loop = asyncio.get_running_loop()
+    turned: list[int] = []
+    loop.call_soon(turned.append, 1)
+    try:
+        chat = [("system", "be brief"), ("user", "hi")]
+        assert lt.tokenize_now(text="short") == local.tokenizer.tokenizer.encode("short").ids
+        assert lt.tokenize_now(messages=chat) == await _after_turn(lt.tokenize(messages=chat), turned)
+        assert lt.tokenize_now(text="x" * 65) is None                         # the service's: not here
+        assert lt.remote.calls == [] and lt.local_calls == 3
+        # An encoder busy with another call: not now (the call queues behind it instead).
+        lt.encoder.batcher._idle -= 1
+        assert lt.tokenize_now(text="short") is None
+        lt.encoder.batcher._idle += 1
+        assert _local_tok(local, has_chat_template=False).tokenize_now(messages=chat) is None
+    finally:
+        await lt.close()
+    assert lt.tokenize_now(text="short") is None                               # closed: the async path says why
+
+
+async def _after_turn(aw, turned: list[int]):
+    """`aw`'s result, checking that the calls before it ran without a loop turn."""
+    assert turned == []
+    return await aw
