@@ -50,6 +50,7 @@ from .admission_settings import AdmissionSettings
 from .budget_memo import BudgetMemo
 from .cluster_redis import open_redis
 from .ports import AdmitRequest
+from .queue_memo import QueueMemo
 from .redis_scripts import ScriptClient, open_lean
 
 __all__ = ["Admission", "AdmissionSettings", "Admitting", "Lease"]
@@ -63,6 +64,7 @@ _MAX_BACKLOG = 0.25
 _MAX_CHILDREN = 4096
 _OVERLOADED = Reason.ROUTER_OVERLOADED.value.lower()
 _RATE_LIMITED = Reason.TOKEN_RATE_LIMITED.value
+_QUEUE_FULL = Reason.TENANT_QUEUE_FULL.value
 _REFUSAL_TEXT = {
     Reason.TENANT_CONCURRENCY_LIMIT: "tenant {t!r} has {mi} requests in flight (its limit) and may not queue more",
     Reason.TENANT_QUEUE_FULL: "tenant {t!r} has {mq} requests queued (its max_queued) and the engines are busy",
@@ -162,6 +164,9 @@ class Admission:
         # Token-budget refusals Redis gave this process: the tenant's next requests that cannot fit
         # either are refused by `precheck` without a round trip (budget_memo.py).
         self.memo = BudgetMemo(settings.budget_memo_ms / 1000)
+        # Tenants whose queue Redis reported full: their next requests are refused by `precheck`
+        # without a round trip until one of theirs leaves the queue here (queue_memo.py).
+        self.queue_memo = QueueMemo(settings.queue_memo_ms / 1000)
         self._background: set[asyncio.Future[Any]] = set()
         # Labelled metric children, looked up once per label set rather than once per request.
         self._outcomes: dict[tuple[str, str, str], Any] = {}
@@ -283,12 +288,18 @@ class Admission:
         self.book.start()
 
     def precheck(self, req: AdmitRequest) -> None:
-        """Refuse at once, with no Redis call, what Redis would refuse for the tenant's token budget
-        (`req.cost`: the least the request can cost, before its prompt is tokenized): a request larger
-        than the whole budget, or one that cannot fit the budget Redis refused within --budget-memo-ms."""
+        """Refuse at once, with no Redis call, what Redis would refuse: for the tenant's token budget
+        (`req.cost`: the least the request can cost, before its prompt is tokenized), a request larger
+        than the whole budget, or one that cannot fit the budget Redis refused within --budget-memo-ms;
+        and a request of a tenant whose queue Redis reported full (--queue-memo-ms)."""
         known = self._known_refusal(req)
         if known is not None:
             raise self._refusal(*known, req, self.class_of(req.priority), local=True)
+        if req.max_queued > 0 and len(self.queue_memo):
+            cls = self.class_of(req.priority)
+            retry_ms = self.queue_memo.refusal(req.tenant, cls, req.max_queued)
+            if retry_ms is not None:
+                raise self._refusal(_QUEUE_FULL, retry_ms, req, cls, local=True)
 
     def predicts_refusal(self, req: AdmitRequest) -> bool:
         """Would `precheck` refuse `req` (its cost an estimate here, not the least)? Nothing is counted."""
@@ -354,18 +365,25 @@ class Admission:
             self.outcome(req.tenant, cls, "granted")
             return Admitting(self, None, lease, 0)
         if status == 2:
+            position = value
+            if isinstance(value, (bytes, str)):   # '<position>/full': the tenant's queue is full with it
+                position, _, full = _s(value).partition("/")
+                if full:
+                    self.queue_memo.full(req.tenant, cls, req.max_queued, extra, asked_at)
             if waiter.lease is not None:          # granted by a message that raced the reply
                 return Admitting(self, None, waiter.lease, 0)
-            waiter.position = int(value)
+            waiter.position = int(position)
             waiter.queued = True
             self.book.keep_alive()
             self.outcome(req.tenant, cls, "queued")
-            return Admitting(self, waiter, None, int(value))
+            return Admitting(self, waiter, None, waiter.position)
         self.book.waiting.pop(member, None)
         name = _s(value)
         if name.startswith(_RATE_LIMITED):     # with the mean lease the script set aside: NAME/ms
             name, _, lease_ms = name.partition("/")
             self.memo.refused(req.tenant, req.tokens_per_minute, req.cost, extra, asked_at, float(lease_ms or 0))
+        elif name == _QUEUE_FULL:
+            self.queue_memo.full(req.tenant, cls, req.max_queued, extra, asked_at)
         raise self._refusal(name, extra, req, cls)
 
     def _refusal(self, name: str, retry_ms: int, req: AdmitRequest, cls: str, local: bool = False) -> TokenrelayError:
@@ -412,6 +430,7 @@ class Admission:
         self.book.notices(reply[2:])
         if int(reply[0]) == 1:   # out of the queue: its cost no longer counts against its budget
             self.memo.refunded(waiter.req.tenant, waiter.req.cost)
+            self.queue_memo.freed(waiter.req.tenant)      # and its place in the queue is free
         elif int(reply[0]) == 2:   # granted meanwhile
             await self.book.granted(waiter, _s(reply[1])).settle_tokens(0)
 

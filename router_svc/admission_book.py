@@ -162,6 +162,8 @@ class Book:
     # ------------------------------------------------------------------------- grants and notices
     def granted(self, waiter: Waiter, fence: str) -> Lease:
         self.waiting.pop(waiter.member, None)
+        if waiter.queued:          # out of its tenant's queue: a slot there may be free
+            self.admission.queue_memo.freed(waiter.req.tenant)
         if waiter.lease is None:
             waiter.lease = Lease(self, waiter, fence)
             self.leases[waiter.member] = waiter.lease
@@ -201,6 +203,7 @@ class Book:
             self.waiting.pop(member, None)
             if waiter.queued:      # out of the queue: its cost no longer counts against its budget
                 self.admission.memo.refunded(waiter.req.tenant, waiter.req.cost)
+                self.admission.queue_memo.freed(waiter.req.tenant)
             reason, text = _GONE.get(why, _GONE["lost"])
             waiter.fail(reason.error(text))
 

@@ -79,6 +79,12 @@ class AdmissionSettings(Section):
                                 "tenant's rate, less this router's own refunds) for this long without a Redis "
                                 "call, an id claim or a Tokenize; a refund at another router within the window "
                                 "is seen at the next call (0 = ask Redis every time)")
+    queue_memo_ms: int = Field(250, ge=0, le=10_000, description="after Redis reports a tenant's queue full "
+                               "(a TENANT_QUEUE_FULL refusal, or a request queued as its last place), refuse "
+                               "that tenant's next requests of the same class TENANT_QUEUE_FULL without a Redis "
+                               "call until one of its requests queued at this router leaves the queue, for at "
+                               "most this long: a slot freed at another router within the window is taken at "
+                               "the next call (0 = ask Redis every time)")
     pool_capacity: int = Field(0, ge=0, le=1_000_000, description="requests the engine pool runs at once "
                                "(0 = from the engines' reports: each serving replica's batch size)")
     capacity_factor: float = Field(1.0, gt=0, le=16, description="dispatch up to this many times the engines' "

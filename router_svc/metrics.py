@@ -152,10 +152,11 @@ QUEUE_DEPTH = Gauge("tokenrelay_router_queue_depth", "Requests queued in the poo
                     "by class, as this router last read it", ["class"])
 ADMISSION_FAIL_OPEN = Counter("tokenrelay_router_admission_fail_open_total", "Requests admitted on this "
                               "router's own limits because the admission store was unreachable (--fail-open)")
-ADMISSION_LOCAL_REFUSALS = Counter("tokenrelay_router_admission_local_refusals_total", "Token-budget "
-                                   "refusals this router decided without a Redis call (the budget Redis refused "
-                                   "within --budget-memo-ms, or a request larger than the whole budget), by reason "
-                                   "in lower case; also counted in tokenrelay_router_admission_total", ["reason"])
+ADMISSION_LOCAL_REFUSALS = Counter("tokenrelay_router_admission_local_refusals_total", "Refusals this router "
+                                   "decided without a Redis call: a token-budget refusal (the budget Redis refused "
+                                   "within --budget-memo-ms, or a request larger than the whole budget) or a full "
+                                   "tenant queue Redis reported (--queue-memo-ms), by reason in lower case; also "
+                                   "counted in tokenrelay_router_admission_total", ["reason"])
 LEASE_RELEASE_RETRIES = Counter("tokenrelay_router_lease_release_retries_total",
                                 "Lease releases that failed and were queued for the heartbeat loop to retry")
 

@@ -514,7 +514,8 @@ end
 # Many requests in one call (the router batches those that arrive together): ARGV[5] = n, then
 # per request 10 values: member, class, cost, deadline_ms (remaining; 0 = none), nonce,
 # max_in_flight, max_queued, tokens_per_minute, weight, max_wait_ms.
-# Reply: per request a triple {1, fence, 0} granted | {2, position, est_wait_ms} queued |
+# Reply: per request a triple {1, fence, 0} granted | {2, position, est_wait_ms} queued (the
+# position as '<position>/full' when the tenant's queue is full with it) |
 # {0, reason, retry_after_ms} refused (TOKEN_RATE_LIMITED as 'TOKEN_RATE_LIMITED/<mean lease ms it set
 # aside>'); then the grants (member, fence, why) of other requests.
 # An entry of the same id under another nonce is replaced: the router's id registry, which makes
@@ -615,6 +616,9 @@ local function enqueue_one(A)
   else
     if est < 0 then est = est_wait((ahead(c))) end
     reply = {2, position(m, c), est}
+    -- the tenant's queue is full with it: its next request would be refused (as 'position/full',
+    -- so that the router refuses it without asking: router_svc/queue_memo.py)
+    if mq > 0 and tenant_queued(T) >= mq then reply[2] = reply[2] .. '/full' end
   end
   return reply
 end
