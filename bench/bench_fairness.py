@@ -248,7 +248,10 @@ class Bench:
                            check("router loop lags > 10 ms / > 50 ms (of 10 ms timer samples)",
                                  f"{routers['lag_over_10ms']:.0f} / {routers['lag_over_50ms']:.0f} of "
                                  f"{routers['lag_samples']:.0f}", "info"),
-                           check("refusals decided in the router (budget memo) / ENQUEUE calls",
+                           check("refusals over 10 ms in the routers' own view (handler to status; of all, "
+                                 "over the phase)", f"{routers['refusals_over_10ms']:.0f} of {routers['refusals']:.0f}",
+                                 "info"),
+                           check("refusals decided in the router (budget and queue memos) / ENQUEUE calls",
                                  f"{routers['local_refusals']:.0f} / {routers['enqueue_calls']:.0f}", "info"),
                            check("router GC collections > 10 ms (of all; seconds in GC)",
                                  f"{routers['gc_over_10ms']:.0f} of {routers['gc']:.0f}; {routers['gc_s']:.3f} s",

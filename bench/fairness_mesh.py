@@ -125,7 +125,8 @@ class Mesh:
 
     def router_stats(self) -> dict[str, float]:
         """The routers' own counters, summed: CPU seconds, event-loop lag samples (10 ms timer) and
-        late ones, cyclic-GC collections and those over 10 ms. Two snapshots around a phase say
+        late ones, cyclic-GC collections and those over 10 ms, refusals (handler to status) and those
+        over 10 ms. Two snapshots around a phase say
         whether a latency tail is the routers' (a busy or stalled loop) or the clients'."""
         import urllib.request
 
@@ -134,7 +135,8 @@ class Mesh:
         out = {"tokenizer_cpu_s": _cpu_s(self.procs.procs["tokenizer"].pid),
                "redis_cpu_s": _cpu_s(self.procs.procs["redis"].pid),
                "cpu_s": 0.0, "lag_samples": 0.0, "lag_over_10ms": 0.0, "lag_over_50ms": 0.0, "gc": 0.0,
-               "gc_over_10ms": 0.0, "gc_s": 0.0, "local_refusals": 0.0, "enqueue_calls": 0.0}
+               "gc_over_10ms": 0.0, "gc_s": 0.0, "local_refusals": 0.0, "enqueue_calls": 0.0,
+               "refusals": 0.0, "refusals_over_10ms": 0.0}
         for i in range(len(self.routers)):
             out["cpu_s"] += _cpu_s(self.procs.procs[f"router{i}"].pid)
             port = (self.work / f"router{i}.metrics-port").read_text().strip()
@@ -150,6 +152,10 @@ class Mesh:
                     out["gc"] += count
                     out["gc_over_10ms"] += count - le["0.01"]
                     out["gc_s"] += seconds
+                elif family.name == "tokenrelay_router_refusal_seconds":
+                    count, _, le = _histogram(family.samples)
+                    out["refusals"] += count
+                    out["refusals_over_10ms"] += count - le.get("0.01", 0.0)
                 elif family.name == "tokenrelay_router_admission_local_refusals":
                     out["local_refusals"] += sum(x.value for x in family.samples if x.name.endswith("_total"))
                 elif family.name == "tokenrelay_router_redis_seconds":

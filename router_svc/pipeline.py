@@ -36,7 +36,7 @@ from services.tracing import child_span, detached_span, inject, tracer
 from .admission_steps import BUDGET_REFUSALS, abandon_early, end_admission, final_refusal
 from .cache_key import tokenize_cache_key
 from .engine_stage import EngineStage
-from .metrics import IN_FLIGHT, QUEUED, RequestMetrics
+from .metrics import IN_FLIGHT, QUEUED, REFUSAL, RequestMetrics
 from .placement import LeastLoaded, LocalSessionAffinity
 from .ports import (
     Admission,
@@ -157,9 +157,10 @@ class Router:
         structlog.contextvars.bind_contextvars(request_id=state.request_id, tenant=tenant.name,
                                                trace_id=format(span.get_span_context().trace_id, "032x"))
         IN_FLIGHT.labels(tenant.name).inc()
-        finished = first = False
+        finished = first = answered = False
         try:
             async for event in self._generate(tenant, state, metrics, rctx):
+                answered = True
                 finished = isinstance(event, Done)
                 if not first and isinstance(event, Delta):
                     first = True
@@ -167,6 +168,8 @@ class Router:
                 yield event
         except TokenrelayError as exc:
             metrics.failed("error", exc.reason)
+            if not answered:
+                REFUSAL.labels(exc.reason).observe(time.monotonic() - state.t_arrival)
             span.set_status(Status(StatusCode.ERROR, exc.reason))
             log.info("request_failed", reason=exc.reason, message=exc.message)
             raise

@@ -5,6 +5,7 @@ is asked."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -270,3 +271,22 @@ async def test_a_refusal_on_the_real_count_is_decided_in_the_turn_the_request_ca
     assert turned == []                                # no loop turn between the call and its refusal
     assert c.tokenizer.now_calls == 1 and c.tokenizer.calls == 16
     assert c.router.in_flight == 0
+
+
+async def test_a_refusal_is_timed_from_the_handler_and_an_accepted_request_is_not() -> None:
+    from prometheus_client import REGISTRY
+
+    def refusals(le: str) -> float:
+        return REGISTRY.get_sample_value("tokenrelay_router_refusal_seconds_bucket",
+                                         {"reason": "TOKEN_RATE_LIMITED", "le": le}) or 0.0
+    c = core()
+    before, before_fast = refusals("+Inf"), refusals("0.01")
+    async for _ in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=3), prompt="hello")):
+        pass
+    assert refusals("+Inf") == before                          # served: not a refusal
+    c.admission.known_refusal = Reason.TOKEN_RATE_LIMITED.error("over its budget", retry_after=2.0)
+    with pytest.raises(TokenrelayError):            # its handler started 20 ms ago
+        async for _ in c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=3), prompt="hello"),
+                                         t_arrival=time.monotonic() - 0.02):
+            pass
+    assert refusals("+Inf") == before + 1 and refusals("0.01") == before_fast     # counted, over 10 ms
