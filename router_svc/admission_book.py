@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 _GONE = {"deadline": (Reason.DEADLINE_EXCEEDED, "the deadline passed while queued"),
+         "late": (Reason.DEADLINE_EXCEEDED, "its turn came with too little of its deadline left to be served "
+                                            "(the pool's mean request time, at most half the time it had left "
+                                            "when queued): it left the queue instead of taking a slot"),
          "lost": (Reason.QUEUE_ENTRY_LOST, "the queue entry expired (this router missed its keep-alives)"),
          "cancelled": (Reason.CANCELLED, "cancelled while queued"),
          "refused": (Reason.CANCELLED, "refused")}

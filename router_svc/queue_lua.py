@@ -7,11 +7,12 @@ Layout (prefix ``tq:{pool}:``, one hash tag, so one Redis Cluster slot; KEYS[1] 
                          the router's nonce): st (q queued | l leased | x lease expired | s settled | d dropped:
                          the last three are tombstones that expire), t tenant, c class,
                          cost (estimated tokens), S virtual start tag, seq, dl deadline ms (0 = none),
+                         lg the latest grant that leaves it time to be served (0 = none),
                          o owner router, n the owner's nonce, f fence, tg granted at
     q:<c>:<T>      ZSET  tenant T's queued requests of class c, by arrival seq (FIFO)
     cq:<c>         ZSET  every queued request of class c, by seq (its depth; positions)
     ready:<c>      ZSET  tenants with a request of class c that may be dispatched, by head's S
-    qexp           ZSET  queued requests by min(deadline, owner keep-alive)
+    qexp           ZSET  queued requests by min(latest useful grant, owner keep-alive)
     leases         ZSET  every lease, by expiry (ZCARD = the pool's in-flight count)
     tl:<T>         ZSET  tenant T's leases, by expiry (ZCARD = its in-flight count)
     tc:<T>         HASH  tenant T's limits as its routers last sent them: mi mq tpm w
@@ -390,49 +391,6 @@ local function priority_hold()
   return nil
 end
 
--- Fences of the leases this call ended whose tenant keeps no slot (SETTLE fills it): each such slot
--- the dispatch would give to a class below the priority hold's class is held for that class instead.
-local FREED = {}
-
-local function dispatch()
-  local inflight = busy()
-  local guard = 0
-  while inflight < CAP + HEADROOM and guard < 256 do
-    guard = guard + 1
-    local c, T, s = pick(inflight)
-    if not c then break end
-    local H = nil
-    if #FREED > 0 and HOLD > 0 and inflight < CAP then H = priority_hold() end
-    local _, m = head(c, T)
-    if H and RANK[H] < RANK[c] then
-      give_hold('#' .. H, table.remove(FREED))
-      inflight = inflight + 1
-    elseif not m then
-      redis.call('ZREM', P .. 'ready:' .. c, T)
-    else
-      local mi, _, tpm = limits(T)
-      if redis.call('ZCARD', P .. 'tl:' .. T) >= mi then
-        unready(T)                -- back when one of its leases ends
-      else
-        local wait, new = rate_wait(T, tpm, tonumber(redis.call('HGET', rk(m), 'cost')))
-        if wait > 0 then
-          redis.call('ZADD', P .. 'park', NOW + wait, T)
-          unready(T)
-        else
-          if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, new, 'PX', 120000) end
-          grant(m, c, T, s)
-          inflight = inflight + 1
-        end
-      end
-    end
-  end
-end
-
-local function end_lease(m, T)
-  drop_lease(m, T)
-  if tenant_queued(T) > 0 then readd(T) end   -- it may have been held back by its max_in_flight
-end
-
 -- An ended request's record stays a while as a tombstone (d dropped, s settled), so that a
 -- heartbeat already on its way with it never mistakes it for one Redis lost and restores it.
 local function tombstone(m, st)
@@ -454,6 +412,54 @@ local function drop_queued(m, why)
   tombstone(m, 'd')
 end
 
+-- Fences of the leases this call ended whose tenant keeps no slot (SETTLE fills it): each such slot
+-- the dispatch would give to a class below the priority hold's class is held for that class instead.
+local FREED = {}
+
+local function dispatch()
+  local inflight = busy()
+  local guard = 0
+  while inflight < CAP + HEADROOM and guard < 256 do
+    guard = guard + 1
+    local c, T, s = pick(inflight)
+    if not c then break end
+    local H = nil
+    if #FREED > 0 and HOLD > 0 and inflight < CAP then H = priority_hold() end
+    local _, m = head(c, T)
+    if H and RANK[H] < RANK[c] then
+      give_hold('#' .. H, table.remove(FREED))
+      inflight = inflight + 1
+    elseif not m then
+      redis.call('ZREM', P .. 'ready:' .. c, T)
+    else
+      local mi, _, tpm = limits(T)
+      local lg = tonumber(redis.call('HGET', rk(m), 'lg') or '0')
+      if lg > 0 and lg < NOW then
+        -- its turn came too late to serve it before its deadline: granted, it would hold a slot
+        -- only to be cut off mid-stream, its tokens wasted; it leaves the queue now instead
+        drop_queued(m, 'late')
+      elseif redis.call('ZCARD', P .. 'tl:' .. T) >= mi then
+        unready(T)                -- back when one of its leases ends
+      else
+        local wait, new = rate_wait(T, tpm, tonumber(redis.call('HGET', rk(m), 'cost')))
+        if wait > 0 then
+          redis.call('ZADD', P .. 'park', NOW + wait, T)
+          unready(T)
+        else
+          if tpm > 0 then redis.call('SET', P .. 'tat:' .. T, new, 'PX', 120000) end
+          grant(m, c, T, s)
+          inflight = inflight + 1
+        end
+      end
+    end
+  end
+end
+
+local function end_lease(m, T)
+  drop_lease(m, T)
+  if tenant_queued(T) > 0 then readd(T) end   -- it may have been held back by its max_in_flight
+end
+
 local function housekeeping()
   expire_holds()
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'leases', '-inf', NOW, 'LIMIT', 0, 128)) do
@@ -464,8 +470,11 @@ local function housekeeping()
     end
   end
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'qexp', '-inf', NOW, 'LIMIT', 0, 128)) do
-    local dl = tonumber(redis.call('HGET', rk(m), 'dl') or '0')
-    if dl > 0 and dl <= NOW then drop_queued(m, 'deadline') else drop_queued(m, 'lost') end
+    local t = redis.call('HMGET', rk(m), 'dl', 'lg')
+    local dl, lg = tonumber(t[1] or '0'), tonumber(t[2] or '0')
+    if dl > 0 and dl <= NOW then drop_queued(m, 'deadline')
+    elseif lg > 0 and lg <= NOW then drop_queued(m, 'late')
+    else drop_queued(m, 'lost') end
   end
   for _, T in ipairs(redis.call('ZRANGEBYSCORE', P .. 'park', '-inf', NOW, 'LIMIT', 0, 128)) do
     redis.call('ZREM', P .. 'park', T)
@@ -473,19 +482,27 @@ local function housekeeping()
   end
 end
 
+-- The latest a request with deadline dl may be granted and still be served: the pool's mean lease
+-- before it, at most half the time it has left now (ENQUEUE's wait limit, as a time); 0 = none.
+local function latest_grant(dl)
+  if dl <= 0 then return 0 end
+  return dl - math.min(math.max(mean_lease(), 0), math.max(dl - NOW, 0) / 2)
+end
+
 -- Queue request m (the caller checked it is new). Its keep-alive runs from now.
 local function insert(m, T, c, cost, dl, owner, nonce, w)
   local seq = redis.call('INCR', P .. 'seq')
   local s = math.max(vtime(c), tonumber(redis.call('HGET', P .. 'fin:' .. c, T) or '0'))
+  local lg = latest_grant(dl)
   redis.call('HSET', P .. 'fin:' .. c, T, s + cost / w)
   redis.call('HSET', rk(m), 'st', 'q', 't', T, 'c', c, 'cost', cost, 'S', s, 'seq', seq, 'dl', dl,
-             'o', owner, 'n', nonce, 'f', 0, 'tg', 0)
+             'lg', lg, 'o', owner, 'n', nonce, 'f', 0, 'tg', 0)
   redis.call('PERSIST', rk(m))
   redis.call('ZADD', P .. 'q:' .. c .. ':' .. T, seq, m)
   redis.call('ZADD', P .. 'cq:' .. c, seq, m)
   redis.call('SET', P .. 'qts:' .. c, NOW, 'PX', 600000)
   local exp = NOW + TTL
-  if dl > 0 and dl < exp then exp = dl end
+  if lg > 0 and lg < exp then exp = lg end
   redis.call('ZADD', P .. 'qexp', exp, m)
   redis.call('HINCRBY', P .. 'qcost', T, cost)
   refresh(c, T)
@@ -772,11 +789,11 @@ i = i + 1
 for _ = 1, nq do
   local m, nonce, c, cost, dl = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
   local T = tenant_of(m)
-  local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'dl')
+  local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'lg')
   if rec[1] == 'q' and rec[2] == nonce then
     local exp = NOW + TTL
-    local rdl = tonumber(rec[4])
-    if rdl > 0 and rdl < exp then exp = rdl end
+    local lg = tonumber(rec[4] or '0')
+    if lg > 0 and lg < exp then exp = lg end
     redis.call('ZADD', P .. 'qexp', 'XX', exp, m)
     out[#out + 1] = 'pos'; out[#out + 1] = m; out[#out + 1] = position(m, c)
   elseif rec[1] == 'l' and rec[2] == nonce then   -- a grant whose message this router missed

@@ -116,6 +116,60 @@ async def test_a_deadline_while_queued_removes_it_and_a_hopeless_one_is_refused(
         await h.grant.settle_tokens(1)
 
 
+async def _late_and_fine(a) -> tuple:
+    """One running request, then one queued with a 3 s deadline and one with 30 s; leases last ~1 s."""
+    await a.redis.hset(f"tq:{{{a.settings.pool}}}:stats", mapping={"svc": 1000, "n": 50})
+    running = await a.admit(req("t", "run"))
+    late = await a.admit(req("t", "late", deadline=3.0))      # its latest useful grant: ~2 s from now
+    fine = await a.admit(req("t", "fine", deadline=30.0))
+    assert running.grant is not None and late.grant is None and fine.grant is None
+    return running, late, fine
+
+
+async def test_a_turn_that_comes_too_late_to_serve_a_queued_request_is_not_taken(redis_url) -> None:
+    # Found by bench/bench_fairness.py's scenario d with 4 routers: requests with 3 s deadlines that
+    # waited in the queue were granted with less time left than a request takes and cut off
+    # mid-stream (their tokens ~4% of the pool's in the window). The dispatch now passes over a
+    # request whose latest useful grant (its deadline less the mean lease, at most half the time it
+    # had) has passed: it leaves the queue with DEADLINE_EXCEEDED, and the slot goes to the next.
+    a = admission(redis_url, pool_capacity=1, reap_interval=60, queue_poll=4)    # no housekeeping meanwhile
+    view = PoolView(redis_url, a.settings.pool)
+    try:
+        running, late, fine = await _late_and_fine(a)
+        await asyncio.sleep(2.2)                                  # past its latest grant, 0.8 s before its deadline
+        await running.grant.settle_tokens(10)                     # the slot frees: whose turn?
+        with pytest.raises(DeadlineExceeded) as e:
+            await asyncio.wait_for(late.next(), 2)
+        assert "too little of its deadline" in e.value.message
+        await asyncio.wait_for(fine.next(), 2)
+        assert fine.grant is not None and await view.queued("standard") == 0
+        await fine.grant.settle_tokens(10)
+        await view.check_invariants(CLASSES)
+    finally:
+        await view.close()
+        await a.close()
+
+
+async def test_a_queued_request_leaves_at_its_latest_useful_grant_not_at_its_deadline(redis_url) -> None:
+    a = admission(redis_url, pool_capacity=1)                    # the reaper runs every 50 ms
+    view = PoolView(redis_url, a.settings.pool)
+    try:
+        running, late, fine = await _late_and_fine(a)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(DeadlineExceeded) as e:
+            await asyncio.wait_for(late.next(), 5)
+        waited = asyncio.get_running_loop().time() - t0
+        assert 1.8 < waited < 2.6, waited                         # ~2 s: its deadline less the 1 s lease
+        assert "too little of its deadline" in e.value.message
+        assert fine.grant is None and await view.queued("standard") == 1 and await view.leases() == 1
+        await fine.abandon()
+        await running.grant.settle_tokens(10)
+        await view.check_invariants(CLASSES)
+    finally:
+        await view.close()
+        await a.close()
+
+
 async def test_token_budget_queues_until_it_refills_and_settles_actual_usage(redis_url) -> None:
     a = admission(redis_url, pool_capacity=10)
     try:

@@ -7,6 +7,7 @@
 #   d    the router's defaults (tokenizer service in the path), new/old x ROUNDS_D (default 2)
 #   rN   this tree with local options and 2 / 4 / 2 / 4 / 3 router processes (the second call)
 #   r4   4 router processes with local options, new/old x 3 (the third call)
+#   dump 2 / 4 / 2 / 4 routers, this tree, local options, every request dumped (--dump-requests; the fourth call)
 set -u
 SECTIONS=${SECTIONS:-dl d}
 on() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -23,5 +24,6 @@ run_d() {  # tag version extra-args...
 on dl && for r in $(seq ${ROUNDS_L:-3}); do for v in new old; do run_d dl_${v}_$r $v $LOCAL; done; done
 k=0; on rN && for n in 2 4 2 4 3; do NR=$n run_d rN_${n}_$((++k)) new $LOCAL; done
 on r4 && for r in 1 2 3; do for v in new old; do NR=4 run_d r4_${v}_$r $v $LOCAL; done; done
+k=0; on dump && for n in 2 4 2 4; do k=$((k+1)); NR=$n run_d dump_${n}_$k new $LOCAL --dump-requests $W/dump_${n}_$k.jsonl; done
 on d && for r in $(seq ${ROUNDS_D:-2}); do for v in new old; do run_d d_${v}_$r $v; done; done
 tar czf $OUT/run-$(echo $SECTIONS | tr ' ' '-').tgz -C $W .
