@@ -379,7 +379,7 @@ class Admission:
             return Admitting(self, waiter, None, waiter.position)
         self.book.waiting.pop(member, None)
         name = _s(value)
-        if name.startswith(_RATE_LIMITED):     # with the mean lease the script set aside: NAME/ms
+        if name.startswith(_RATE_LIMITED):     # with the long lease the script set aside: NAME/ms
             name, _, lease_ms = name.partition("/")
             self.memo.refused(req.tenant, req.tokens_per_minute, req.cost, extra, asked_at, float(lease_ms or 0))
         elif name == _QUEUE_FULL:

@@ -21,11 +21,12 @@ and when that lower bound is past the request's own limit, Redis would refuse it
 `admitted_here` counts only requests this router sent after the refusal came back (Redis ran them
 after it, so they are not in `debt_then`); every refund seen here is taken off, even one of a
 request whose cost `debt_then` may not hold: the bound only gets lower. The limit is
-the script's: min(max_queue_wait, its remaining time less min(mean lease, half of it)), with the
-pool's mean lease the refusal reported (an average over many leases, which moves little within a
-memo's life), and the request's remaining time now (the script would see less). `asked_at` is taken
-before the call was sent, so the time elapsed is over-counted, never under. What this router cannot
-see is a refund or a withdrawn queued request at *another* router: an entry lives at most `ttl`
+the script's: min(max_queue_wait, its remaining time less min(long lease, half of it)), with the
+pool's long lease the refusal reported (the mean lease plus twice the leases' mean absolute
+deviation: averages over many leases, which move little within a memo's life), and the request's
+remaining time now (the script would see less). `asked_at` is taken before the call was sent, so
+the time elapsed is over-counted, never under. What this router cannot see is a refund or a
+withdrawn queued request at *another* router: an entry lives at most `ttl`
 seconds, so such a refund is seen at the next round trip, after at most that long.
 """
 
@@ -46,7 +47,7 @@ class _Entry:
     tpm: int
     until: float
     replied_at: float   # when the refusal came back: admissions asked for after it came after it
-    lease_ms: float     # the pool's mean lease the script set aside from a deadline
+    lease_ms: float     # the pool's long lease the script set aside from a deadline
 
 
 class BudgetMemo:

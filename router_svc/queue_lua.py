@@ -25,7 +25,7 @@ Layout (prefix ``tq:{pool}:``, one hash tag, so one Redis Cluster slot; KEYS[1] 
                          tenant's; T = "#<class>" for a slot held for a class (priority hold)
     qts:<c>        STR   when a request of class c last had to queue or took a slot held for c (ms)
     qcost          HASH  tenant -> estimated tokens queued
-    stats          HASH  svc (EWMA lease seconds x1000), n (samples)
+    stats          HASH  svc (EWMA lease seconds x1000), dev (EWMA of its absolute deviation, ms), n (samples)
     cap            STR   the pool's capacity in requests, as the last caller saw its engines
     seq, fence     STR   counters
     g:<router>     pub/sub channel: grants and removals for the requests a router holds
@@ -163,6 +163,16 @@ local function mean_lease()       -- ms a lease lasts on average, -1 = fewer tha
   local st = redis.call('HMGET', P .. 'stats', 'svc', 'n')
   if not st[2] or tonumber(st[2]) < 10 then return -1 end
   return tonumber(st[1])
+end
+
+-- ms to set aside from a deadline for a request to be served: a long lease (the mean plus twice its
+-- mean absolute deviation, ~p95 of a normal spread), -1 = fewer than 10 seen yet. The mean alone
+-- left a request granted at the end of its wait a coin's chance of finishing (scenario d: 3-5% of
+-- the pool's tokens went to streams cut off by their deadline).
+local function set_aside()
+  local st = redis.call('HMGET', P .. 'stats', 'svc', 'n', 'dev')
+  if not st[2] or tonumber(st[2]) < 10 then return -1 end
+  return tonumber(st[1]) + 2 * tonumber(st[3] or '0')
 end
 
 local function est_wait(n)        -- ms for n requests ahead to be served, -1 = no estimate yet
@@ -410,6 +420,9 @@ local function drop_queued(m, why)
     redis.call('ZREM', P .. 'qexp', m)
   end
   tombstone(m, 'd')
+  -- why, for a heartbeat that still lists it before the message reached its router (it would
+  -- otherwise be told 'lost', and its client UNAVAILABLE instead of, say, DEADLINE_EXCEEDED)
+  redis.call('HSET', rk(m), 'why', why)
 end
 
 -- Fences of the leases this call ended whose tenant keeps no slot (SETTLE fills it): each such slot
@@ -482,11 +495,11 @@ local function housekeeping()
   end
 end
 
--- The latest a request with deadline dl may be granted and still be served: the pool's mean lease
--- before it, at most half the time it has left now (ENQUEUE's wait limit, as a time); 0 = none.
+-- The latest a request with deadline dl may be granted and still be served: a long lease before
+-- it, at most half the time it has left now (ENQUEUE's wait limit, as a time); 0 = none.
 local function latest_grant(dl)
   if dl <= 0 then return 0 end
-  return dl - math.min(math.max(mean_lease(), 0), math.max(dl - NOW, 0) / 2)
+  return dl - math.min(math.max(set_aside(), 0), math.max(dl - NOW, 0) / 2)
 end
 
 -- Queue request m (the caller checked it is new). Its keep-alive runs from now.
@@ -561,13 +574,13 @@ local function enqueue_one(A)
   if not CMAXQ[c] then return {0, 'UNKNOWN_CLASS', 0} end
   set_limits(T, mi, mq, tpm, w)
   -- How long it may wait (for a slot or for its token budget): a request with a deadline, its
-  -- remaining time less what serving it takes (the pool's mean lease, at most half the remaining time
-  -- set aside; none before 10 leases were seen, as for est_wait); granted later than that, it would
+  -- remaining time less what serving it takes (a long lease, `set_aside`, at most half the remaining
+  -- time; none before 10 leases were seen, as for est_wait); granted later than that, it would
   -- run out of time mid-stream, its tokens wasted.
   local budget_limit = max_wait
   local svc = 0
   if remaining > 0 then
-    svc = math.max(mean_lease(), 0)
+    svc = math.max(set_aside(), 0)
     budget_limit = math.min(max_wait, math.max(1, remaining - math.min(svc, remaining / 2)))
   end
   local rate_new = 0
@@ -694,12 +707,16 @@ local function settle_one(m, fence, actual, tpm, w)
     charge(T, tpm, delta)
     credit(rec[3], delta, tonumber(rec[6] or '0') > 0)
     if rec[1] == 'l' then
-      local st = redis.call('HMGET', P .. 'stats', 'svc', 'n')
+      local st = redis.call('HMGET', P .. 'stats', 'svc', 'n', 'dev')
       local svc = tonumber(st[1] or '0')
       local n = tonumber(st[2] or '0')
+      local dev = tonumber(st[3] or '0')
       local took = NOW - tonumber(rec[5])
-      if n == 0 then svc = took else svc = svc * 0.9 + took * 0.1 end
-      redis.call('HSET', P .. 'stats', 'svc', math.floor(svc), 'n', n + 1)
+      if n == 0 then svc, dev = took, 0 else
+        dev = dev * 0.9 + math.abs(took - svc) * 0.1
+        svc = svc * 0.9 + took * 0.1
+      end
+      redis.call('HSET', P .. 'stats', 'svc', math.floor(svc), 'n', n + 1, 'dev', math.floor(dev))
       end_lease(m, T)
       if HOLD > 0 and someone_queued() then
         if tenant_queued(T) == 0 and ((under_share(T, w) and lower_at_share(rec[3]))
@@ -789,7 +806,7 @@ i = i + 1
 for _ = 1, nq do
   local m, nonce, c, cost, dl = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
   local T = tenant_of(m)
-  local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'lg')
+  local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'lg', 'why')
   if rec[1] == 'q' and rec[2] == nonce then
     local exp = NOW + TTL
     local lg = tonumber(rec[4] or '0')
@@ -802,8 +819,8 @@ for _ = 1, nq do
     set_limits(T, ARGV[i + 5], ARGV[i + 6], ARGV[i + 7], ARGV[i + 8])
     insert(m, T, c, cost, dl, ME, nonce, tonumber(ARGV[i + 8]))
     out[#out + 1] = 'pos'; out[#out + 1] = m; out[#out + 1] = position(m, c)
-  else
-    out[#out + 1] = 'gone'; out[#out + 1] = m; out[#out + 1] = 'lost'
+  else                                            -- dropped (a tombstone says why) or lost
+    out[#out + 1] = 'gone'; out[#out + 1] = m; out[#out + 1] = (rec[1] == 'd' and rec[5]) or 'lost'
   end
   i = i + 9
 end

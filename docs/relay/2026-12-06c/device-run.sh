@@ -8,6 +8,8 @@
 #   rN   this tree with local options and 2 / 4 / 2 / 4 / 3 router processes (the second call)
 #   r4   4 router processes with local options, new/old x 3 (the third call)
 #   dump 2 / 4 / 2 / 4 routers, this tree, local options, every request dumped (--dump-requests; the fourth call)
+#   late 2 and 4 routers, local options, requests dumped, this tree against .before = the tree before the late-grant
+#        pass-over (bba7cc8's parent, carried as .before for this call), new/old x 2 (the fifth call)
 set -u
 SECTIONS=${SECTIONS:-dl d}
 on() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -25,5 +27,7 @@ on dl && for r in $(seq ${ROUNDS_L:-3}); do for v in new old; do run_d dl_${v}_$
 k=0; on rN && for n in 2 4 2 4 3; do NR=$n run_d rN_${n}_$((++k)) new $LOCAL; done
 on r4 && for r in 1 2 3; do for v in new old; do NR=4 run_d r4_${v}_$r $v $LOCAL; done; done
 k=0; on dump && for n in 2 4 2 4; do k=$((k+1)); NR=$n run_d dump_${n}_$k new $LOCAL --dump-requests $W/dump_${n}_$k.jsonl; done
+on late && for r in 1 2; do for n in 2 4; do for v in new old; do
+  NR=$n run_d late_${n}_${v}_$r $v $LOCAL --dump-requests $W/late_${n}_${v}_$r.jsonl; done; done; done
 on d && for r in $(seq ${ROUNDS_D:-2}); do for v in new old; do run_d d_${v}_$r $v; done; done
 tar czf $OUT/run-$(echo $SECTIONS | tr ' ' '-').tgz -C $W .
