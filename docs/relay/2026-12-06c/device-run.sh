@@ -10,6 +10,8 @@
 #   dump 2 / 4 / 2 / 4 routers, this tree, local options, every request dumped (--dump-requests; the fourth call)
 #   late 2 and 4 routers, local options, requests dumped, this tree against .before = the tree before the late-grant
 #        pass-over (bba7cc8's parent, carried as .before for this call), new/old x 2 (the fifth call)
+#   long the same as late, this tree at 76afa48 (the long lease set aside, tombstones that say why) against
+#        the same .before (the sixth call)
 set -u
 SECTIONS=${SECTIONS:-dl d}
 on() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -29,5 +31,7 @@ on r4 && for r in 1 2 3; do for v in new old; do NR=4 run_d r4_${v}_$r $v $LOCAL
 k=0; on dump && for n in 2 4 2 4; do k=$((k+1)); NR=$n run_d dump_${n}_$k new $LOCAL --dump-requests $W/dump_${n}_$k.jsonl; done
 on late && for r in 1 2; do for n in 2 4; do for v in new old; do
   NR=$n run_d late_${n}_${v}_$r $v $LOCAL --dump-requests $W/late_${n}_${v}_$r.jsonl; done; done; done
+on long && for r in 1 2; do for n in 2 4; do for v in new old; do
+  NR=$n run_d long_${n}_${v}_$r $v $LOCAL --dump-requests $W/long_${n}_${v}_$r.jsonl; done; done; done
 on d && for r in $(seq ${ROUNDS_D:-2}); do for v in new old; do run_d d_${v}_$r $v; done; done
 tar czf $OUT/run-$(echo $SECTIONS | tr ' ' '-').tgz -C $W .
