@@ -33,11 +33,9 @@ seconds, so such a refund is seen at the next round trip, after at most that lon
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-MAX_TENANTS = 10_000
+from .tenant_memo import TenantMemo
 
 
 @dataclass(slots=True)
@@ -50,34 +48,16 @@ class _Entry:
     lease_ms: float     # the pool's long lease the script set aside from a deadline
 
 
-class BudgetMemo:
+class BudgetMemo(TenantMemo[_Entry]):
     """Per tenant, the last token-budget refusal Redis gave this router (bounded, expiring)."""
-
-    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic,
-                 max_tenants: int = MAX_TENANTS) -> None:
-        self.ttl = ttl
-        self._clock = clock
-        self._max = max_tenants
-        self._entries: dict[str, _Entry] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def refused(self, tenant: str, tpm: int, cost: int, retry_ms: int, asked_at: float, lease_ms: float = 0) -> None:
         """Redis refused a request of `cost` tokens with TOKEN_RATE_LIMITED and `retry_ms`, setting
         `lease_ms` aside from deadlines."""
         if self.ttl <= 0 or tpm <= 0 or retry_ms <= 0:
             return
-        entries = self._entries
-        entries.pop(tenant, None)          # re-inserted last: the dict's order is the age order
-        if len(entries) >= self._max:
-            now = self._clock()
-            for name in [n for n, e in entries.items() if e.until <= now]:
-                del entries[name]
-            while len(entries) >= self._max:
-                del entries[next(iter(entries))]
-        entries[tenant] = _Entry(asked_at, retry_ms - 1 - cost * 60000 / tpm, tpm, asked_at + self.ttl,
-                                 self._clock(), max(0.0, lease_ms))
+        self._put(tenant, _Entry(asked_at, retry_ms - 1 - cost * 60000 / tpm, tpm, asked_at + self.ttl,
+                                 self._clock(), max(0.0, lease_ms)))
 
     def admitted(self, tenant: str, cost: int, asked_at: float) -> None:
         """Redis granted or queued a request of the tenant that this router asked for at `asked_at`:

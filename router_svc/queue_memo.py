@@ -23,11 +23,10 @@ stays known full until
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-MAX_TENANTS = 10_000
+from .tenant_memo import TenantMemo
+
 MIN_RETRY_MS = 100     # the script's own floor for a full queue's retry-after
 
 
@@ -40,33 +39,15 @@ class _Full:
     retry_ms: int
 
 
-class QueueMemo:
+class QueueMemo(TenantMemo[_Full]):
     """Per tenant, the class in which Redis last reported its queue full (bounded, expiring)."""
-
-    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic,
-                 max_tenants: int = MAX_TENANTS) -> None:
-        self.ttl = ttl
-        self._clock = clock
-        self._max = max_tenants
-        self._entries: dict[str, _Full] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def full(self, tenant: str, cls: str, max_queued: int, retry_ms: int, asked_at: float) -> None:
         """Redis reported the tenant's queue full (`max_queued` requests) for a request of class
         `cls` this router asked about at `asked_at` (taken before the call was sent)."""
         if self.ttl <= 0 or max_queued <= 0:
             return
-        entries = self._entries
-        entries.pop(tenant, None)          # re-inserted last: the dict's order is the age order
-        if len(entries) >= self._max:
-            now = self._clock()
-            for name in [n for n, e in entries.items() if e.until <= now]:
-                del entries[name]
-            while len(entries) >= self._max:
-                del entries[next(iter(entries))]
-        entries[tenant] = _Full(cls, max_queued, asked_at + self.ttl, asked_at, max(retry_ms, MIN_RETRY_MS))
+        self._put(tenant, _Full(cls, max_queued, asked_at + self.ttl, asked_at, max(retry_ms, MIN_RETRY_MS)))
 
     def freed(self, tenant: str) -> None:
         """One of the tenant's requests queued here left the queue: a slot may be free."""

@@ -60,3 +60,9 @@ def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of a /metrics page's samples named `name` whose labels include `labels`."""
+    want = frozenset(labels.items())
+    return sum(v for (n, lab), v in scrape(url).items() if n == name and want <= lab)

@@ -4,6 +4,7 @@ sharing one Redis), killed at the end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import pathlib
@@ -13,9 +14,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.channels import CHANNEL_OPTIONS, open_channel
 from services.client import Finished, TextDelta
 from services.errors import Cancelled
 from services.grpc_util import wait_healthy
+from services.proto.tokenrelay.v1 import inference_pb2_grpc
+from tests.meshkit import metric_sum
+from tests.redisproc import RedisProc
 from tests.waiting import poll
 from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer
 from tokenrelay_tools.cli.launcher import CACHE, engine_args_for
@@ -36,6 +41,7 @@ class Procs:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.addr: dict[str, str] = {}
         self.metrics: dict[str, str] = {}
+        self.stubs: dict[str, Any] = {}     # Inference stubs by router name (`routers_on_redis`)
         path = tmp / "tenants.yaml"
         path.write_text(tenants or "tenants:\n" + "".join(
             f"  - name: {t}\n    api_key_sha256: {hashlib.sha256(k.encode()).hexdigest()}\n    max_in_flight: 64\n"
@@ -63,6 +69,10 @@ class Procs:
             self.metrics[name] = f"http://127.0.0.1:{(self.tmp / f'{name}.mport').read_text().strip()}/metrics"
             await wait_healthy(self.addr[name], timeout=60)
         await asyncio.gather(*(one(n) for n in names))
+
+    def counted(self, name: str, **labels: str) -> dict[str, float]:
+        """Per process with a metrics page, the sum of its samples `name` with `labels`."""
+        return {proc: metric_sum(url, name, **labels) for proc, url in self.metrics.items()}
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
@@ -107,3 +117,29 @@ async def outcome(stream: AsyncIterator[Any], timeout: float = 10) -> str:
         return await asyncio.wait_for(rest(), timeout)
     except Cancelled:
         return "cancelled"
+
+
+@contextlib.asynccontextmanager
+async def routers_on_redis(tmp: pathlib.Path, tenants: str, routers: dict[str, list[str]],
+                           engines: int = 1) -> AsyncIterator[Procs]:
+    """A redis-server, a tokenizer, `engines` sim engines and one router per `routers` entry (its
+    flags), all real processes sharing one pool, with an Inference stub per router (`p.stubs`);
+    killed at the end."""
+    redis = RedisProc(tmp)
+    redis.start()
+    p = Procs(tmp, redis.url, tenants=tenants)
+    channels = []
+    try:
+        await p.upstreams(engines=engines)
+        for name, flags in routers.items():
+            p.router(name, *flags)
+        await p.ready(*routers)
+        for name in routers:
+            channels.append(open_channel(p.addr[name], options=CHANNEL_OPTIONS))
+            p.stubs[name] = inference_pb2_grpc.InferenceStub(channels[-1])
+        yield p
+    finally:
+        for ch in channels:
+            await ch.close()
+        p.stop()
+        redis.kill()

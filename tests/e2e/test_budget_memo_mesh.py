@@ -11,12 +11,9 @@ import time
 import grpc
 import pytest
 
-from services.channels import CHANNEL_OPTIONS, open_channel
 from services.errors import REASON_KEY, RETRY_AFTER_KEY
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.e2e.prockit import Procs
-from tests.meshkit import scrape
-from tests.redisproc import RedisProc
+from tests.e2e.prockit import Procs, routers_on_redis
 
 KEY = "budget-key-" + "d" * 16
 # 200 tokens a minute: one long request spends most of it; then each request (~20 tokens) needs ~6 s
@@ -46,57 +43,35 @@ async def _ask(stub: inference_pb2_grpc.InferenceStub, rid: str, max_tokens: int
     return "done", 0
 
 
-def _count(metrics_url: str, name: str, **labels: str) -> float:
-    want = frozenset(labels.items())
-    return sum(v for (n, lab), v in scrape(metrics_url).items() if n == name and want <= lab)
-
-
 @pytest.fixture
 async def mesh(tmp_path):
-    redis = RedisProc(tmp_path)
-    redis.start()
-    p = Procs(tmp_path, redis.url, tenants=TENANTS)
-    try:
-        await p.upstreams(engines=1)
-        for name, flags in ROUTERS.items():
-            p.router(name, *flags)
-        await p.ready(*ROUTERS)
+    async with routers_on_redis(tmp_path, TENANTS, ROUTERS) as p:
         yield p
-    finally:
-        p.stop()
-        redis.kill()
 
 
 async def test_a_tenant_past_its_budget_is_refused_by_each_router_without_a_round_trip_each(mesh) -> None:
     p: Procs = mesh
-    channels = {name: open_channel(p.addr[name], options=CHANNEL_OPTIONS) for name in ROUTERS}
-    stubs = {name: inference_pb2_grpc.InferenceStub(ch) for name, ch in channels.items()}
-    try:
-        assert await _ask(stubs["memo"], "spend", max_tokens=150, timeout=10) == ("done", 0)
-        spent: list[tuple[str, int]] = []
-        while not spent or spent[-1][0] != "TOKEN_RATE_LIMITED":      # the rest of it
-            assert len(spent) < 8, spent
-            spent.append(await _ask(stubs["memo"], f"spend{len(spent)}", timeout=2.01))
-        enqueues = {name: _count(p.metrics[name], "tokenrelay_router_redis_seconds_count", op="enqueue")
-                    for name in ROUTERS}
-        t0 = time.monotonic()
-        answers = {name: [await _ask(stub, f"{name}{i}") for i in range(N)] for name, stub in stubs.items()}
-        elapsed = time.monotonic() - t0
-        for name, got in answers.items():
-            # Every one refused for its budget, with a retry-after past its 2 s deadline (the memo's is
-            # the least the request can cost: a token of prompt and its max_tokens).
-            assert {reason for reason, _ in got} == {"TOKEN_RATE_LIMITED"}, (name, got)
-            assert all(2_000 < retry <= 60_000 for _, retry in got), (name, got)
-        calls = {name: _count(p.metrics[name], "tokenrelay_router_redis_seconds_count", op="enqueue")
-                 - enqueues[name] for name in ROUTERS}
-        local = {name: _count(p.metrics[name], "tokenrelay_router_admission_local_refusals_total",
-                              reason="token_rate_limited") for name in ROUTERS}
-        # The memo off: one ENQUEUE per request. On: Redis is asked again at most once per 500 ms
-        # window (the default), so each router asks a few times, whichever router asked before.
-        assert calls["asks"] >= N and local["asks"] == 0, (calls, local)
-        for name in ("memo", "memo2"):
-            assert calls[name] <= 2 + 2 * elapsed / 0.5 and calls[name] < N / 2, (name, calls, elapsed)
-            assert local[name] >= N - calls[name], (name, local, calls)
-    finally:
-        for ch in channels.values():
-            await ch.close()
+    stubs = p.stubs
+    assert await _ask(stubs["memo"], "spend", max_tokens=150, timeout=10) == ("done", 0)
+    spent: list[tuple[str, int]] = []
+    while not spent or spent[-1][0] != "TOKEN_RATE_LIMITED":      # the rest of it
+        assert len(spent) < 8, spent
+        spent.append(await _ask(stubs["memo"], f"spend{len(spent)}", timeout=2.01))
+    enqueues = p.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
+    t0 = time.monotonic()
+    answers = {name: [await _ask(stub, f"{name}{i}") for i in range(N)] for name, stub in stubs.items()}
+    elapsed = time.monotonic() - t0
+    for name, got in answers.items():
+        # Every one refused for its budget, with a retry-after past its 2 s deadline (the memo's is
+        # the least the request can cost: a token of prompt and its max_tokens).
+        assert {reason for reason, _ in got} == {"TOKEN_RATE_LIMITED"}, (name, got)
+        assert all(2_000 < retry <= 60_000 for _, retry in got), (name, got)
+    after = p.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
+    calls = {name: after[name] - enqueues[name] for name in ROUTERS}
+    local = p.counted("tokenrelay_router_admission_local_refusals_total", reason="token_rate_limited")
+    # The memo off: one ENQUEUE per request. On: Redis is asked again at most once per 500 ms
+    # window (the default), so each router asks a few times, whichever router asked before.
+    assert calls["asks"] >= N and local["asks"] == 0, (calls, local)
+    for name in ("memo", "memo2"):
+        assert calls[name] <= 2 + 2 * elapsed / 0.5 and calls[name] < N / 2, (name, calls, elapsed)
+        assert local[name] >= N - calls[name], (name, local, calls)

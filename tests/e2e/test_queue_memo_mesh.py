@@ -13,12 +13,10 @@ import time
 import grpc
 import pytest
 
-from services.channels import CHANNEL_OPTIONS, open_channel
 from services.errors import REASON_KEY, RETRY_AFTER_KEY
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.e2e.prockit import Procs
-from tests.meshkit import scrape
-from tests.redisproc import RedisProc
+from tests.e2e.prockit import Procs, routers_on_redis
+from tests.meshkit import metric_sum
 
 KEY = "queue-key-" + "q" * 16
 # One request runs at a time, two may wait.
@@ -56,31 +54,15 @@ async def _held(stub: inference_pb2_grpc.InferenceStub, rid: str, max_tokens: in
     return call, first.accepted
 
 
-def _count(metrics_url: str, name: str, **labels: str) -> float:
-    want = frozenset(labels.items())
-    return sum(v for (n, lab), v in scrape(metrics_url).items() if n == name and want <= lab)
-
-
 @pytest.fixture
 async def mesh(tmp_path):
-    redis = RedisProc(tmp_path)
-    redis.start()
-    p = Procs(tmp_path, redis.url, tenants=TENANTS)
-    try:
-        await p.upstreams(engines=1)
-        for name, flags in ROUTERS.items():
-            p.router(name, *flags)
-        await p.ready(*ROUTERS)
+    async with routers_on_redis(tmp_path, TENANTS, ROUTERS) as p:
         yield p
-    finally:
-        p.stop()
-        redis.kill()
 
 
 async def test_a_full_queue_is_refused_by_each_router_without_a_round_trip_each(mesh) -> None:
     p: Procs = mesh
-    channels = {name: open_channel(p.addr[name], options=CHANNEL_OPTIONS) for name in ROUTERS}
-    stubs = {name: inference_pb2_grpc.InferenceStub(ch) for name, ch in channels.items()}
+    stubs = p.stubs
     held = []
     try:
         run, accepted = await _held(stubs["memo"], "run", max_tokens=3000)       # ~30 s of decoding
@@ -92,18 +74,16 @@ async def test_a_full_queue_is_refused_by_each_router_without_a_round_trip_each(
         q2, accepted = await _held(stubs["memo2"], "q2", max_tokens=4)
         assert accepted.queue_position == 2
         held.append(q2)
-        enqueues = {name: _count(p.metrics[name], "tokenrelay_router_redis_seconds_count", op="enqueue")
-                    for name in ROUTERS}
+        enqueues = p.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
         t0 = time.monotonic()
         answers = {name: [await _refusal(stub, f"{name}{i}") for i in range(N)] for name, stub in stubs.items()}
         elapsed = time.monotonic() - t0
         for name, got in answers.items():
             assert {reason for reason, _ in got} == {"TENANT_QUEUE_FULL"}, (name, got)
             assert all(100 <= retry <= 60_000 for _, retry in got), (name, got)
-        calls = {name: _count(p.metrics[name], "tokenrelay_router_redis_seconds_count", op="enqueue")
-                 - enqueues[name] for name in ROUTERS}
-        local = {name: _count(p.metrics[name], "tokenrelay_router_admission_local_refusals_total",
-                              reason="tenant_queue_full") for name in ROUTERS}
+        after = p.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
+        calls = {name: after[name] - enqueues[name] for name in ROUTERS}
+        local = p.counted("tokenrelay_router_admission_local_refusals_total", reason="tenant_queue_full")
         # The memo off: one ENQUEUE per request. On: memo2 knew from queueing q2 as the last place,
         # memo from its first refusal; each asks again at most once per 250 ms window (the default).
         assert calls["asks"] >= N and local["asks"] == 0, (calls, local)
@@ -114,7 +94,7 @@ async def test_a_full_queue_is_refused_by_each_router_without_a_round_trip_each(
         q1.cancel()
         held.remove(q1)
         async def withdrawn() -> None:
-            while _count(p.metrics["memo"], "tokenrelay_router_redis_seconds_count", op="cancel") < 1:
+            while metric_sum(p.metrics["memo"], "tokenrelay_router_redis_seconds_count", op="cancel") < 1:
                 await asyncio.sleep(0.01)
         await asyncio.wait_for(withdrawn(), 5)             # Redis has taken it out of the queue
         again, accepted = await _held(stubs["memo"], "again", max_tokens=4)
@@ -123,5 +103,3 @@ async def test_a_full_queue_is_refused_by_each_router_without_a_round_trip_each(
     finally:
         for call in held:
             call.cancel()
-        for ch in channels.values():
-            await ch.close()

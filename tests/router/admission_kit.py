@@ -65,3 +65,13 @@ class PoolView:
 
     async def close(self) -> None:
         await self.r.aclose()
+
+
+class FakeClock:
+    """A clock for the memos' pure logic: `t` seconds, moved by the test."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t

@@ -13,22 +13,14 @@ from router_svc.admission import Admission
 from router_svc.budget_memo import BudgetMemo
 from router_svc.types import Done, GenerateInput, Sampling
 from services.errors import Reason, ResourceExhausted, TokenrelayError
-from tests.router.admission_kit import admission, req, settings
+from tests.router.admission_kit import FakeClock, admission, req, settings
 from tests.router.core_fakes import TENANT, Core, FakeTokenizer, core
 
 TPM = 6000          # 100 tokens per second: 10 ms of refill per token
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_the_limit_sets_the_mean_lease_aside_as_the_script_does() -> None:
-    clock = Clock()
+    clock = FakeClock()
     memo = BudgetMemo(0.5, clock)
     memo.refused("t", TPM, 100, 2001, asked_at=clock.t, lease_ms=800)   # debt >= 1000 ms
     assert memo.wait_ms("t", TPM, 100, 3000, 60_000) is None          # may wait 2200 ms: 2000 fits
@@ -39,7 +31,7 @@ def test_the_limit_sets_the_mean_lease_aside_as_the_script_does() -> None:
 
 
 def test_a_refusal_refuses_what_cannot_fit_and_lets_through_what_might() -> None:
-    clock = Clock()
+    clock = FakeClock()
     memo = BudgetMemo(0.5, clock)
     # Refused a 300-token request with a 5,001 ms wait: the debt was >= 5000 - 3000 = 2000 ms.
     memo.refused("t", TPM, 300, 5001, asked_at=clock.t)
@@ -52,7 +44,7 @@ def test_a_refusal_refuses_what_cannot_fit_and_lets_through_what_might() -> None
 
 
 def test_an_entry_expires_and_a_changed_budget_forgets_it() -> None:
-    clock = Clock()
+    clock = FakeClock()
     memo = BudgetMemo(0.5, clock)
     memo.refused("t", TPM, 300, 60_000, asked_at=clock.t)
     assert memo.wait_ms("t", 2 * TPM, 300, 1000, 60_000) is None   # the tenants file changed its budget
@@ -63,7 +55,7 @@ def test_an_entry_expires_and_a_changed_budget_forgets_it() -> None:
 
 
 def test_this_routers_refunds_lower_the_debt_and_overruns_are_not_counted() -> None:
-    clock = Clock()
+    clock = FakeClock()
     memo = BudgetMemo(0.5, clock)
     memo.refused("t", TPM, 100, 4001, asked_at=clock.t)              # debt >= 3000 ms
     assert memo.wait_ms("t", TPM, 100, 3500, 60_000) == 4000
@@ -74,7 +66,7 @@ def test_this_routers_refunds_lower_the_debt_and_overruns_are_not_counted() -> N
 
 
 def test_off_and_bounded() -> None:
-    clock = Clock()
+    clock = FakeClock()
     off = BudgetMemo(0.0, clock)
     off.refused("t", TPM, 100, 60_000, asked_at=clock.t)
     assert off.wait_ms("t", TPM, 100, 1, 60_000) is None

@@ -10,19 +10,11 @@ import random
 from router_svc.admission import Admission
 from router_svc.queue_memo import QueueMemo
 from services.errors import ResourceExhausted, TokenrelayError
-from tests.router.admission_kit import PoolView, admission, req
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.router.admission_kit import FakeClock, PoolView, admission, req
 
 
 def test_a_full_queue_refuses_its_class_until_a_slot_is_freed_here_or_the_window_ends() -> None:
-    clock = Clock()
+    clock = FakeClock()
     memo = QueueMemo(0.25, clock)
     memo.full("t", "standard", 8, 900, asked_at=clock.t)
     assert memo.refusal("t", "standard", 8) == 900
@@ -41,7 +33,7 @@ def test_a_full_queue_refuses_its_class_until_a_slot_is_freed_here_or_the_window
 
 
 def test_a_changed_limit_forgets_it_and_the_memo_is_off_and_bounded() -> None:
-    clock = Clock()
+    clock = FakeClock()
     memo = QueueMemo(0.25, clock)
     memo.full("t", "standard", 8, 900, asked_at=clock.t)
     assert memo.refusal("t", "standard", 16) is None and len(memo) == 0   # the tenants file changed it
