@@ -414,6 +414,12 @@ class Admission:
         elif status == 2:
             self._spawn(self._withdraw(waiter))
 
+    def left_queue(self, req: AdmitRequest) -> None:
+        """A request queued here left the queue without a grant (withdrawn, dropped): its cost no longer
+        counts against its tenant's budget, and its place in the tenant's queue is free."""
+        self.memo.refunded(req.tenant, req.cost)
+        self.queue_memo.freed(req.tenant)
+
     async def _withdraw(self, waiter: Waiter) -> None:
         """Take an abandoned request out of the queue; a grant that raced in is settled at zero."""
         self.book.waiting.pop(waiter.member, None)
@@ -428,9 +434,8 @@ class Admission:
             log.warning("queue_cancel_failed", member=waiter.member, error=repr(exc))
             return
         self.book.notices(reply[2:])
-        if int(reply[0]) == 1:   # out of the queue: its cost no longer counts against its budget
-            self.memo.refunded(waiter.req.tenant, waiter.req.cost)
-            self.queue_memo.freed(waiter.req.tenant)      # and its place in the queue is free
+        if int(reply[0]) == 1:   # out of the queue
+            self.left_queue(waiter.req)
         elif int(reply[0]) == 2:   # granted meanwhile
             await self.book.granted(waiter, _s(reply[1])).settle_tokens(0)
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 _GONE = {"deadline": (Reason.DEADLINE_EXCEEDED, "the deadline passed while queued"),
          "late": (Reason.DEADLINE_EXCEEDED, "its turn came with too little of its deadline left to be served "
-                                            "(the pool's mean request time, at most half the time it had left "
+                                            "(the pool's long request time, at most half the time it had left "
                                             "when queued): it left the queue instead of taking a slot"),
          "lost": (Reason.QUEUE_ENTRY_LOST, "the queue entry expired (this router missed its keep-alives)"),
          "cancelled": (Reason.CANCELLED, "cancelled while queued"),
@@ -204,9 +204,8 @@ class Book:
             return
         if waiter is not None:
             self.waiting.pop(member, None)
-            if waiter.queued:      # out of the queue: its cost no longer counts against its budget
-                self.admission.memo.refunded(waiter.req.tenant, waiter.req.cost)
-                self.admission.queue_memo.freed(waiter.req.tenant)
+            if waiter.queued:
+                self.admission.left_queue(waiter.req)
             reason, text = _GONE.get(why, _GONE["lost"])
             waiter.fail(reason.error(text))
 

@@ -170,9 +170,9 @@ end
 -- left a request granted at the end of its wait a coin's chance of finishing (scenario d: 3-5% of
 -- the pool's tokens went to streams cut off by their deadline).
 local function set_aside()
-  local st = redis.call('HMGET', P .. 'stats', 'svc', 'n', 'dev')
-  if not st[2] or tonumber(st[2]) < 10 then return -1 end
-  return tonumber(st[1]) + 2 * tonumber(st[3] or '0')
+  local svc = mean_lease()
+  if svc < 0 then return -1 end
+  return svc + 2 * tonumber(redis.call('HGET', P .. 'stats', 'dev') or '0')
 end
 
 local function est_wait(n)        -- ms for n requests ahead to be served, -1 = no estimate yet
@@ -446,7 +446,8 @@ local function dispatch()
       redis.call('ZREM', P .. 'ready:' .. c, T)
     else
       local mi, _, tpm = limits(T)
-      local lg = tonumber(redis.call('HGET', rk(m), 'lg') or '0')
+      local rec = redis.call('HMGET', rk(m), 'lg', 'cost')
+      local lg = tonumber(rec[1] or '0')
       if lg > 0 and lg < NOW then
         -- its turn came too late to serve it before its deadline: granted, it would hold a slot
         -- only to be cut off mid-stream, its tokens wasted; it leaves the queue now instead
@@ -454,7 +455,7 @@ local function dispatch()
       elseif redis.call('ZCARD', P .. 'tl:' .. T) >= mi then
         unready(T)                -- back when one of its leases ends
       else
-        local wait, new = rate_wait(T, tpm, tonumber(redis.call('HGET', rk(m), 'cost')))
+        local wait, new = rate_wait(T, tpm, tonumber(rec[2]))
         if wait > 0 then
           redis.call('ZADD', P .. 'park', NOW + wait, T)
           unready(T)
@@ -546,7 +547,7 @@ end
 # max_in_flight, max_queued, tokens_per_minute, weight, max_wait_ms.
 # Reply: per request a triple {1, fence, 0} granted | {2, position, est_wait_ms} queued (the
 # position as '<position>/full' when the tenant's queue is full with it) |
-# {0, reason, retry_after_ms} refused (TOKEN_RATE_LIMITED as 'TOKEN_RATE_LIMITED/<mean lease ms it set
+# {0, reason, retry_after_ms} refused (TOKEN_RATE_LIMITED as 'TOKEN_RATE_LIMITED/<long lease ms it set
 # aside>'); then the grants (member, fence, why) of other requests.
 # An entry of the same id under another nonce is replaced: the router's id registry, which makes
 # ids unique per tenant across routers, let this one through, so the old one's router is gone.
