@@ -314,9 +314,6 @@ class Book:
             try:
                 async with asyncio.timeout(adm.settings.op_timeout):
                     await subscribe(adm.redis, pubsub, adm.channel)
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():   # a cancel the timeout block swallowed (3.11)
-                    raise asyncio.CancelledError
                 self.listening.set()
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
