@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from opentelemetry import trace
@@ -99,6 +100,14 @@ class Ports:
     gate: LoadGate = field(default_factory=_OpenGate)
     pools: PoolSelector | None = None
     shadow: Shadow | None = None
+
+
+def _prompt(tenant: Tenant, inp: GenerateInput) -> dict[str, Any]:
+    """A text or chat prompt as the tokenizer port's keywords (a chat's with its prefix-cache key)."""
+    if inp.messages is not None:
+        return {"messages": inp.messages, "allow_special_tokens": tenant.allow_control_tokens,
+                "cache_key": tokenize_cache_key(tenant.name, inp.session_id, inp.messages)}
+    return {"text": inp.prompt, "allow_special_tokens": tenant.allow_control_tokens}
 
 
 class Router:
@@ -361,18 +370,14 @@ class Router:
             raise
 
     async def _tokenize(self, tenant: Tenant, state: RequestState, rctx: Context) -> None:
-        inp, tok = state.inp, self.ports.tokenizer
+        inp = state.inp
         t = time.monotonic()
         with child_span(_tracer, "tokenize", context=rctx):
             if inp.token_ids is not None:
                 state.prompt_ids = list(inp.token_ids)
-            elif inp.messages is not None:
-                key = tokenize_cache_key(tenant.name, inp.session_id, inp.messages)
-                state.prompt_ids = await tok.tokenize(messages=inp.messages, timeout=state.remaining(),
-                                                      cache_key=key, allow_special_tokens=tenant.allow_control_tokens)
             else:
-                state.prompt_ids = await tok.tokenize(text=inp.prompt, timeout=state.remaining(),
-                                                      allow_special_tokens=tenant.allow_control_tokens)
+                state.prompt_ids = await self.ports.tokenizer.tokenize(timeout=state.remaining(),
+                                                                       **_prompt(tenant, inp))
         self._tokenize_done(state, t)
 
     def _tokenize_now(self, tenant: Tenant, state: RequestState) -> bool:
@@ -383,11 +388,7 @@ class Router:
         if now is None or inp.token_ids is not None:
             return False
         t = time.monotonic()
-        if inp.messages is not None:
-            ids = now(messages=inp.messages, allow_special_tokens=tenant.allow_control_tokens,
-                      cache_key=tokenize_cache_key(tenant.name, inp.session_id, inp.messages))
-        else:
-            ids = now(text=inp.prompt, allow_special_tokens=tenant.allow_control_tokens)
+        ids = now(**_prompt(tenant, inp))
         if ids is None:
             return False
         state.prompt_ids = ids

@@ -108,8 +108,10 @@ class Batcher(Generic[J, R]):
             raise Reason.SHUTTING_DOWN.error("tokenizer is not running")
         if self._pending + size > self.max_pending:
             raise Reason.OVERLOADED.error(f"tokenizer overloaded: {self._pending} inputs pending")
-        if inline and self._pending == 0 and self._idle == self.workers:
-            return self._run_inline(job, size)
+        if inline:
+            ran = self.run_now(job, size)
+            if ran is not None:
+                return ran[0]
         entry: _Job[J, R] = _Job(job, size, asyncio.get_running_loop().create_future())
         self._pending += size
         self._queue.put_nowait(entry)
