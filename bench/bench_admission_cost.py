@@ -53,6 +53,7 @@ from router_svc.admission import Admission, AdmissionSettings
 from router_svc.ports import AdmitRequest
 from services.errors import TokenrelayError
 from services.logging import configure_logging
+from services.redis_client import unix_socket_listening
 from tokenrelay_tools.bench.report import _table, dist_stats
 
 BASELINE_LUA = "return redis.call('EXISTS', KEYS[1])"
@@ -235,7 +236,7 @@ class RedisServer:
         if cpu is not None:
             os.sched_setaffinity(self.proc.pid, {cpu})
         deadline = time.monotonic() + 10
-        while not self.sock.exists():
+        while not unix_socket_listening(self.sock):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 sys.exit("bench: redis-server did not start")
             time.sleep(0.01)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from router_svc.cluster import RedisCluster
 from router_svc.request import LocalRequestRegistry
+from services.redis_client import unix_socket_listening
 
 
 def _cpu() -> float:
@@ -56,7 +57,7 @@ async def main(args: argparse.Namespace) -> None:
     sock = tmp / "redis.sock"
     server = _redis_server(tmp, sock)
     try:
-        while not sock.exists():
+        while not unix_socket_listening(sock):
             await asyncio.sleep(0.01)
         member = RedisCluster(f"unix://{sock}", "bench", router_id="bench")
         await member.start()

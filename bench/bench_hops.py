@@ -41,6 +41,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from bench_relay import Procs, cpu_list
 
+from services.redis_client import unix_socket_listening
+
 ECHO = "/bench.Echo/Call"
 
 
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                               "--save", "", "--appendonly", "no", "--dir", str(work)], core(2))
         echo = procs.wait_port("echo", echo_port)
         tokenizer = procs.wait_port("tokenizer", tok_port)
-        while not sock.exists():
+        while not unix_socket_listening(sock):
             time.sleep(0.02)
         if args.client_cpu:
             os.sched_setaffinity(0, cpu_list(args.client_cpu))

@@ -62,6 +62,7 @@ import psutil
 
 from services.errors import REASON_KEY
 from services.eventloop import LOOP_CHOICES
+from services.redis_client import unix_socket_listening
 
 API_KEY = "trk-bench-relay"
 # The sim draws ids below --sim-vocab-size; the byte-level tokenizer's ids 32..126 are printable
@@ -228,7 +229,7 @@ def start_mesh(args: argparse.Namespace, procs: Procs) -> Mesh:
                        f"    api_key_sha256: {hashlib.sha256(API_KEY.encode()).hexdigest()}\n"
                        "    max_in_flight: 100000\n    max_queued: 100000\n")
     deadline = time.monotonic() + 20
-    while not sock.exists():
+    while not unix_socket_listening(sock):
         if time.monotonic() > deadline:
             raise SystemExit("redis-server did not start")
         time.sleep(0.02)

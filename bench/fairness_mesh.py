@@ -20,6 +20,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from bench_relay import Procs, cpu_list, cpu_share
 from fairness_load import api_key
 
+from services.redis_client import unix_socket_listening
+
 POOL = "fair"
 VOCAB = 128      # ids below 128: one character per token, so a delta's length is its token count
 
@@ -108,7 +110,7 @@ class Mesh:
                 for i in range(args.engines)]
         (work / "tenants.yaml").write_text(tenants_yaml(tenants))
         deadline = time.monotonic() + 20
-        while not sock.exists():
+        while not unix_socket_listening(sock):
             if time.monotonic() > deadline:
                 raise SystemExit("redis-server did not start")
             time.sleep(0.02)

@@ -20,6 +20,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from services.grpc_util import wait_healthy  # noqa: E402
+from services.redis_client import unix_socket_listening  # noqa: E402
 from tokenrelay_tools.cli.byte_tokenizer import ensure_byte_tokenizer  # noqa: E402
 from tokenrelay_tools.cli.launcher import CACHE, _die_with_parent, engine_args_for  # noqa: E402
 
@@ -102,7 +103,7 @@ class Procs:
         self.spawn("redis", [server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
                              "--save", "", "--appendonly", "no"])
         deadline = time.monotonic() + 10
-        while not sock.exists():
+        while not unix_socket_listening(sock):
             if time.monotonic() > deadline or self.procs["redis"].poll() is not None:
                 raise RuntimeError(f"redis did not start:\n{self.log('redis')}")
             await asyncio.sleep(0.02)

@@ -9,6 +9,7 @@ imports it from here: a service imports no other service)."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,17 @@ CLUSTER_HEADROOM = 64
 RETRY_ON: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, ConnectionResetError)
 
 RedisClient = aioredis.Redis | RedisCluster
+
+
+def unix_socket_listening(path: object) -> bool:
+    """Whether a server accepts connections on the unix socket ``path``. Its file existing is not
+    enough: a server binds (the file appears) before it listens, and a connect in between is refused."""
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def is_cluster_url(url: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.redis_client import unix_socket_listening
 from tests.data import SHARED_DATA, shared_path  # noqa: F401 - re-exported for test modules
 from tests.redisproc import redis_proc  # noqa: F401 - a restartable redis-server of a test's own
 
@@ -23,7 +24,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
     proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no",
                              "--dir", str(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
-    while not sock.exists():
+    while not unix_socket_listening(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             pytest.fail("redis-server did not start")
         time.sleep(0.01)

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from services.redis_client import unix_socket_listening
+
 
 class RedisProc:
     """redis-server on a unix socket that a test may kill -9 and start again on the same socket."""
@@ -33,7 +35,7 @@ class RedisProc:
                                       *self.persist, "--dir", str(self.dir)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
-        while not self.sock.exists():
+        while not unix_socket_listening(self.sock):
             assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.01)
 

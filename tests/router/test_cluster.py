@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from router_svc.cluster import RedisCluster
 from services.errors import Reason, Unavailable
+from services.redis_client import unix_socket_listening
 from tests.waiting import poll
 
 
@@ -57,7 +58,7 @@ class PrivateRedis:
                                       str(self.sock), "--save", "", "--appendonly", "no", "--dir", str(self.tmp)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
-        while not self.sock.exists():
+        while not unix_socket_listening(self.sock):
             assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.01)
 

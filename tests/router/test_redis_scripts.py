@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import pathlib
+import socket
 import time
 
 import pytest
@@ -17,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from router_svc.admission_settings import AdmissionSettings
 from router_svc.redis_scripts import ScriptClient, lean_eligible, pack
+from services.redis_client import unix_socket_listening
 from tests.redisproc import RedisProc
 
 INCR = "#!lua\nlocal n = redis.call('INCR', KEYS[1])\nreturn {n, ARGV[1], {1, 'two'}, tonumber(ARGV[2]) * 2}"
@@ -46,6 +49,22 @@ async def _loaded(proc: RedisProc) -> None:
 
 def _client(url: str, **kw: object) -> ScriptClient:
     return ScriptClient(url, connect_timeout=2.0, **kw)  # type: ignore[arg-type]
+
+
+def test_a_unix_socket_is_ready_when_it_listens_not_when_its_file_appears(tmp_path: pathlib.Path) -> None:
+    """CI once failed `test_an_unknown_script_is_sent_with_its_body_after_a_flush` with ECONNREFUSED:
+    the fixtures waited for redis-server's socket file, which bind() creates before listen(). The
+    same gap, held open here: the file exists and a connect is refused until the server listens."""
+    path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        assert path.exists()
+        with socket.socket(socket.AF_UNIX) as c, pytest.raises(ConnectionRefusedError):
+            c.connect(str(path))
+        assert not unix_socket_listening(path)
+        server.listen(1)
+        assert unix_socket_listening(path)
+    assert not unix_socket_listening(tmp_path / "absent.sock")
 
 
 async def test_replies_match_redis_py_and_the_command_is_written_before_call_returns(redis_proc: RedisProc) -> None:

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.grpc_util import wait_healthy
+from services.redis_client import unix_socket_listening
 from tokenrelay_tools import env
 
 from .device import Device, choose_device, default_prompt_cap
@@ -172,7 +173,7 @@ class Mesh:
                                      "--appendonly", "yes", "--appendfsync", "everysec",
                                      "--appenddirname", REDIS_AOF_DIR, "--maxmemory-policy", "noeviction"])
         deadline = time.monotonic() + 10
-        while not sock.exists():
+        while not unix_socket_listening(sock):
             if proc.popen.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server did not start:\n{tail(proc.log_path)}")
             await asyncio.sleep(0.02)
