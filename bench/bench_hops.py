@@ -14,6 +14,13 @@ core, one call at a time (latency, not throughput). Calls:
   tok-chat-cached the same chat plus one new message per call, with a session cache key (the
                   incremental path chat-multiturn turns take)
   redis-ping      redis.asyncio PING over the unix socket (the floor of an admission call)
+  echo-bidi       bare grpc.aio bidirectional stream, one 64-byte message each way on a stream kept
+                  open (the floor of a hop on a multiplexed stream)
+  engine-raw      engine_svc (`sim`, profile `instant`: no simulated GPU time) on one Stream kept open,
+                  raw stub: a submit of 8 prompt ids and max_tokens 1, until its token comes back (the
+                  engine's own turnaround over echo-bidi: read, submit, one step, outbox, write)
+  engine-mux      the same through the router's replica client (`router_svc.upstreams.EngineReplica`:
+                  the MuxClient, its inbox and wake-ups): what the router adds to that hop
 
     python bench/bench_hops.py --calls 400 [--server-cpus 0-2 --client-cpu 3] [--json out.json]
     python bench/bench_hops.py --tokenizer-arg=--inline-bytes=0     # small calls through the threads too
@@ -51,9 +58,14 @@ def _echo_server(port_file: str) -> None:
         async def call(request: bytes, context: Any) -> bytes:
             return request
 
+        async def stream(requests: Any, context: Any) -> Any:
+            async for request in requests:
+                yield request
+
         server = grpc.aio.server()
         handler = grpc.method_handlers_generic_handler(
-            "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(call)})
+            "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(call),
+                           "Stream": grpc.stream_stream_rpc_method_handler(stream)})
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -85,7 +97,67 @@ async def _measure(calls: int, fn: Any) -> list[float]:
     return out
 
 
-async def run(args: argparse.Namespace, echo: str, tokenizer: str, sock: str) -> dict[str, dict[str, float]]:
+class _Stream:
+    """One bidirectional call kept open, written through a queue: `ask(message)` then `read()`."""
+
+    def __init__(self, open_call: Any) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.call = open_call(self._outbound())
+
+    async def _outbound(self) -> Any:
+        while True:
+            yield await self._queue.get()
+
+    def ask(self, message: Any) -> None:
+        self._queue.put_nowait(message)
+
+
+async def _engine_hops(echo_ch: Any, engine: str) -> tuple[list[tuple[str, Any]], Any]:
+    """echo-bidi, engine-raw and engine-mux (module doc), and the channels to close."""
+    from router_svc.types import Sampling
+    from router_svc.upstreams import EngineReplica
+    from services.channels import open_channel
+    from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    bidi = _Stream(echo_ch.stream_stream(ECHO.replace("Call", "Stream")))
+    payload = b"x" * 64
+
+    async def echo_bidi(i: int) -> None:
+        bidi.ask(payload)
+        await bidi.call.read()
+
+    raw_ch, mux_ch = open_channel(engine), open_channel(engine)
+    raw = _Stream(engine_pb2_grpc.EngineStub(raw_ch).Stream)
+    prompt = list(range(1, 9))
+    seq = iter(range(1 << 60))
+
+    async def engine_raw(i: int) -> None:
+        rid = f"raw-{next(seq)}"
+        raw.ask(engine_pb2.EngineInbound(submit=[engine_pb2.EngineRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=1))]))
+        while not any(c.request_id == rid and c.token_ids for c in (await raw.call.read()).chunks):
+            pass
+
+    replica = EngineReplica(engine, mux_ch, engine_pb2_grpc.EngineStub(mux_ch))
+
+    async def engine_mux(i: int) -> None:
+        rid = f"mux-{next(seq)}"
+        inbox = replica.submit(rid, prompt, Sampling(max_tokens=1), [], "", {})
+        while not any(getattr(item, "token_ids", None) for item in await inbox.get_ready()):
+            pass
+        replica.release(rid)
+
+    async def close() -> None:
+        bidi.call.cancel()
+        raw.call.cancel()
+        await replica.close()
+        await raw_ch.close()
+    hops = [("echo-bidi", echo_bidi), ("engine-raw", engine_raw), ("engine-mux", engine_mux)]
+    return hops, close
+
+
+async def run(args: argparse.Namespace, echo: str, tokenizer: str, sock: str,
+              engine: str) -> dict[str, dict[str, float]]:
     import redis.asyncio as aioredis
 
     from router_svc.tokenize_batch import TokenizeCoalescer
@@ -133,6 +205,8 @@ async def run(args: argparse.Namespace, echo: str, tokenizer: str, sock: str) ->
         ("tok-chat-cached", cached),
         ("redis-ping", lambda i: rds.ping()),
     ]
+    engine_hops, close_engine = await _engine_hops(echo_ch, engine)
+    hops += engine_hops
     results: dict[str, dict[str, float]] = {}
     for rep in range(args.repeats):
         for name, fn in hops:
@@ -140,6 +214,7 @@ async def run(args: argparse.Namespace, echo: str, tokenizer: str, sock: str) ->
             key = name if args.repeats == 1 else f"{name}#{rep + 1}"
             results[key] = r
     results["_meta"] = {"chat_prompt_ids": float(n_ids)}
+    await close_engine()
     await coal.close()
     await tok_ch.close()
     await echo_ch.close()
@@ -151,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=400, help="calls per hop (after a warm-up)")
     p.add_argument("--repeats", type=int, default=1, help="measure every hop this many times, interleaved")
-    p.add_argument("--server-cpus", default="", help="cores for echo, tokenizer, redis (one each, in turn)")
+    p.add_argument("--server-cpus", default="", help="cores for echo, tokenizer, redis, engine (one each, in turn)")
     p.add_argument("--client-cpu", default="", help="core of this process")
     p.add_argument("--tokenizer-arg", action="append", default=[], help="extra tokenizer_svc flag (repeatable)")
     p.add_argument("--json", default="")
@@ -176,13 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         sock = work / "redis.sock"
         procs.spawn("redis", [shutil.which("redis-server") or "redis-server", "--port", "0", "--unixsocket", str(sock),
                               "--save", "", "--appendonly", "no", "--dir", str(work)], core(2))
+        eng_port = procs.service("engine", "engine_svc", ["--backend", "sim", "--sim-profile", "instant"], core(3))
         echo = procs.wait_port("echo", echo_port)
         tokenizer = procs.wait_port("tokenizer", tok_port)
+        engine = procs.wait_port("engine", eng_port)
         while not unix_socket_listening(sock):
             time.sleep(0.02)
         if args.client_cpu:
             os.sched_setaffinity(0, cpu_list(args.client_cpu))
-        results = asyncio.run(run(args, echo, tokenizer, str(sock)))
+        results = asyncio.run(run(args, echo, tokenizer, str(sock), engine))
     finally:
         procs.stop()
         shutil.rmtree(work, ignore_errors=True)
