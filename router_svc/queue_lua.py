@@ -503,11 +503,12 @@ local function latest_grant(dl)
   return dl - math.min(math.max(set_aside(), 0), math.max(dl - NOW, 0) / 2)
 end
 
--- Queue request m (the caller checked it is new). Its keep-alive runs from now.
-local function insert(m, T, c, cost, dl, owner, nonce, w)
+-- Queue request m (the caller checked it is new). Its keep-alive runs from now. lg: its latest useful
+-- grant when the caller has it already (ENQUEUE), else read here (`latest_grant`).
+local function insert(m, T, c, cost, dl, owner, nonce, w, lg)
   local seq = redis.call('INCR', P .. 'seq')
   local s = math.max(vtime(c), tonumber(redis.call('HGET', P .. 'fin:' .. c, T) or '0'))
-  local lg = latest_grant(dl)
+  lg = lg or latest_grant(dl)
   redis.call('HSET', P .. 'fin:' .. c, T, s + cost / w)
   redis.call('HSET', rk(m), 'st', 'q', 't', T, 'c', c, 'cost', cost, 'S', s, 'seq', seq, 'dl', dl,
              'lg', lg, 'o', owner, 'n', nonce, 'f', 0, 'tg', 0)
@@ -579,10 +580,11 @@ local function enqueue_one(A)
   -- time; none before 10 leases were seen, as for est_wait); granted later than that, it would
   -- run out of time mid-stream, its tokens wasted.
   local budget_limit = max_wait
-  local svc = 0
+  local svc, lg = 0, 0
   if remaining > 0 then
     svc = math.max(set_aside(), 0)
-    budget_limit = math.min(max_wait, math.max(1, remaining - math.min(svc, remaining / 2)))
+    lg = NOW + remaining - math.min(svc, remaining / 2)     -- = latest_grant(NOW + remaining), stats read once
+    budget_limit = math.min(max_wait, math.max(1, lg - NOW))
   end
   local rate_new = 0
   if tpm > 0 then
@@ -615,7 +617,7 @@ local function enqueue_one(A)
   if est > budget_limit then return {0, 'QUEUE_WAIT_EXCEEDS_DEADLINE', est} end
   local queued_before = tenant_queued(T)
   if rec[1] then redis.call('DEL', rk(m)) end
-  insert(m, T, c, cost, dl, ME, nonce, w)
+  insert(m, T, c, cost, dl, ME, nonce, w, lg)
   -- its tenant holds a slot it just freed (it was between requests): the slot is this request's,
   -- though others queued before it
   if HOLD > 0 and redis.call('ZCARD', P .. 'hd:' .. T) > 0 and redis.call('ZCARD', P .. 'tl:' .. T) < mi

@@ -20,8 +20,9 @@ Semantics (documented for clients):
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -129,18 +130,14 @@ class Encoder:
         """Ids per input (or `finish(ids)`); None stands for an input that carried nothing."""
         start = time.perf_counter()
         with child_span(_tracer, "tokenizer.tokenize", kind=SpanKind.SERVER,
-                                           attributes={"tokenrelay.inputs": len(inputs)}):
+                                           attributes={"tokenrelay.inputs": len(inputs)}), _rejections_counted():
+            checked, nbytes = self._validate(inputs)
+            self._admit_bytes(nbytes)
             try:
-                checked, nbytes = self._validate(inputs)
-                self._admit_bytes(nbytes)
-                try:
-                    result = await self.batcher.submit(_Call(checked, finish), size=len(checked),
-                                                       inline=nbytes <= self.limits.inline_bytes)
-                finally:
-                    self.pending_bytes -= nbytes
-            except TokenrelayError as exc:
-                metrics.count_rejection(exc.reason)
-                raise
+                result = await self.batcher.submit(_Call(checked, finish), size=len(checked),
+                                                   inline=nbytes <= self.limits.inline_bytes)
+            finally:
+                self.pending_bytes -= nbytes
         metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - start)
         return result
 
@@ -149,14 +146,11 @@ class Encoder:
         (at most `inline_bytes` of text, the encoder idle); None when it would not (then `tokenize`).
         Invalid inputs raise the same typed errors."""
         start = time.perf_counter()
-        try:
+        with _rejections_counted():
             checked, nbytes = self._validate(inputs)
             if nbytes > self.limits.inline_bytes:
                 return None
             ran = self.batcher.run_now(_Call(checked, None), size=len(checked))
-        except TokenrelayError as exc:
-            metrics.count_rejection(exc.reason)
-            raise
         if ran is None:
             return None
         metrics.TOKENIZE_SECONDS.observe(time.perf_counter() - start)
@@ -308,6 +302,16 @@ class Encoder:
             if limit and len(seq) > limit:
                 return Reason.PROMPT_TOO_LONG.error(f"{_which(index, len(ids))} has {len(seq)} tokens; at most {limit}")
         return None
+
+
+@contextlib.contextmanager
+def _rejections_counted() -> Iterator[None]:
+    """A typed refusal raised inside is counted by its reason (and raised on)."""
+    try:
+        yield
+    except TokenrelayError as exc:
+        metrics.count_rejection(exc.reason)
+        raise
 
 
 def _which(index: int, count: int) -> str:
