@@ -35,7 +35,7 @@ from opentelemetry.context import Context
 
 from services.errors import Reason, TokenrelayError, in_band_error
 from services.logging import get_logger
-from services.tracing import child_span, inject, tracer
+from services.tracing import child_span, inject, start_span, tracer
 
 from .metrics_routing import MIGRATIONS, ROUTE_SECONDS, ROUTED, SESSION_MOVES
 from .ports import (
@@ -189,7 +189,7 @@ class EngineStage:
 
     async def _attempt(self, state: RequestState, address: str, detok: DetokSessionPort, eos: list[int],
                        trace_ctx: Context | None) -> None:
-        phase = _tracer.start_span("prefill", context=trace_ctx)
+        phase = start_span(_tracer, "prefill", context=trace_ctx)
         prefilling = True
         watchdog = _Watchdog(self.progress_timeout, lambda: self.engines.heard(address))
         prompt, sampling = state.continuation()   # migrated: from everything already streamed
@@ -216,7 +216,7 @@ class EngineStage:
                 chunk = await self._next(state, source, address, watchdog)
                 if prefilling and chunk.token_ids:
                     phase.end()
-                    phase, prefilling = _tracer.start_span("decode", context=trace_ctx), False
+                    phase, prefilling = start_span(_tracer, "decode", context=trace_ctx), False
                 if chunk.error_reason:
                     self._engine_error(state, chunk)
                 if chunk.cached_tokens and not state.migrations:

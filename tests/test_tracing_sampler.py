@@ -67,3 +67,39 @@ def test_configure_tracing_turns_recording_on_with_an_exporter(monkeypatch: pyte
     with provider.get_tracer("t").start_as_current_span("s") as span:
         assert span.is_recording()
     assert [s.name for s in exporter.get_finished_spans()] == ["s"]
+
+
+def test_no_child_span_is_made_where_none_would_be_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing exports and the parent does not record: `child_span`, `start_span` and `detached_span`
+    start no span (none is finished, none has ids of its own); the block runs with the parent's context
+    current, so an outgoing call injects the parent's ids and the logs keep its trace id."""
+    monkeypatch.setattr(tracing, "_exporting", False)
+    tracer, exporter = _provider()
+    started: list[str] = []
+    real_start = tracer.start_span
+    monkeypatch.setattr(tracer, "start_span", lambda name, *a, **kw: started.append(name) or real_start(name, *a, **kw))
+    root = tracer.start_span("root")
+    ctx = trace.set_span_in_context(root)
+    with tracing.child_span(tracer, "child", context=ctx) as child:
+        assert child is root and trace.get_current_span() is root
+        assert tracing.inject()["traceparent"].split("-")[2] == format(root.get_span_context().span_id, "016x")
+    assert trace.get_current_span() is not root                   # the parent's context is detached again
+    assert tracing.start_span(tracer, "phase", context=ctx) is root
+    with tracing.detached_span(tracer, "queued", context=ctx) as queued:
+        assert queued is root
+    assert started == ["root"] and exporter.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize("exporting", [True, False])
+def test_child_spans_are_made_where_they_are_recorded(monkeypatch: pytest.MonkeyPatch, exporting: bool) -> None:
+    """This process exports, or (exporting nothing) a sampled parent from another process: children as before."""
+    monkeypatch.setattr(tracing, "_exporting", exporting)
+    tracer, exporter = _provider()
+    parent = NonRecordingSpan(SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED)))
+    ctx = trace.set_span_in_context(parent)
+    with tracing.child_span(tracer, "child", context=ctx) as child:
+        assert child.is_recording() and child.get_span_context().trace_id == 0x1234
+    tracing.start_span(tracer, "phase", context=ctx).end()
+    with tracing.detached_span(tracer, "queued", context=ctx):
+        pass
+    assert [s.name for s in exporter.get_finished_spans()] == ["child", "phase", "queued"]
