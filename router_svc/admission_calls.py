@@ -156,6 +156,11 @@ class Batcher:
         now = loop.time()
         self._pending.append((args, fut, late, now))
         if not self._scheduled and self.in_flight < self._max_calls:
+            if not self.in_flight and len(self._pending) == 1:
+                # Idle (no call in flight, nothing else waiting): nothing to batch it with, so it is
+                # written now rather than a loop turn later, on a request's path to its first token.
+                self._drain()
+                return fut
             self._scheduled = True
             self._scheduled_at = now
             loop.call_soon(self._flush)
@@ -187,6 +192,9 @@ class Batcher:
         now = self._flushed_at = loop.time()
         self.lag = now - self._scheduled_at
         self._measure(now)
+        self._drain()
+
+    def _drain(self) -> None:
         while self._pending and self.in_flight < self._max_calls:
             batch = self._pending[:self._max]
             del self._pending[:self._max]

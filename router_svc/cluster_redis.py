@@ -91,6 +91,11 @@ class Pipeliner:
 
     def _add(self, what: str, args: tuple[Any, ...], key: str) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self._lean is not None and not self._lean_batches and not self._pending and not self._closed:
+            # Idle on a lean connection (no batch in flight, none waiting): written now, a batch of one,
+            # rather than on the sender task's next turn (a request's id claim is on its first token's path).
+            self._send_lean(self._plan([(what, args, fut, key)]))
+            return fut
         self._pending.append((what, args, fut, key))
         self._wake.set()
         return fut

@@ -28,7 +28,6 @@ from services.tokenization.loader import LoadedTokenizer
 
 from .local_detok import PROBE
 
-_YIELDS = 2
 # Chat sessions' token prefixes kept for incremental tokenization (ids as uint32 plus their text:
 # ~8 bytes per token, ~16 MB at most; the tokenizer service keeps 20M tokens by default).
 CHAT_CACHE_TOKENS = 2_000_000
@@ -102,12 +101,10 @@ class LocalTokenize:
             return list(await self.remote.tokenize(text=text, messages=messages, timeout=timeout,
                                                    cache_key=cache_key, allow_special_tokens=allow_special_tokens))
         self.local_calls += 1
-        # Two loop turns before an encode that may run on the loop itself: the request's early
-        # ENQUEUE (router_svc/pipeline.py, started just before this) is then written to Redis (its
-        # batcher's flush, then the Redis pipeline's task) and answered while the CPU encodes, instead
-        # of after it (measured: admission started 0.13 ms after a local tokenization ended at p50).
-        for _ in range(_YIELDS):
-            await asyncio.sleep(0)
+        # An encode may run on the loop itself, holding it: the request's Redis calls are written
+        # before it (router_svc/pipeline.py starts the early ENQUEUE and the id claim first, and each
+        # writes in its first step while its connection is idle), so Redis answers while the CPU
+        # encodes. (Before they wrote in their first step, two loop turns were waited here.)
         try:
             async with asyncio.timeout(timeout):
                 (ids,) = await self.encoder.tokenize([item])

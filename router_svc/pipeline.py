@@ -216,6 +216,11 @@ class Router:
         # The early admission first: its ENQUEUE is on its way before an encode in this process
         # (router_svc/local_tokenize.py) holds the loop.
         estimate, early, refused_on_estimate = self._early(tenant, state, rctx)
+        # The id claim next (a round trip raced with the early admission, when there is one), then the
+        # prompt's tokenization: each writes its Redis call in its first step, in this order, so both
+        # calls are on their way before an encode in this process holds the loop.
+        claiming = (asyncio.ensure_future(self.ports.registry.claim(tenant.name, state.request_id))
+                    if early is not None and self.ports.registry.remote else None)
         if refused_on_estimate and self._tokenize_now(tenant, state):
             # Tokenized here and now (nothing to overlap): a refusal on its real count is decided in
             # this loop turn, as the estimate's was.
@@ -234,7 +239,7 @@ class Router:
             await self._tokenized(tenant, state, tokenizing)
             self.ports.admission.precheck(self._admit_request(tenant, state, state.cost))
         try:
-            claimed = await self._claimed(tenant, state, tokenizing, early)
+            claimed = await self._claimed(tenant, state, tokenizing, early, claiming)
         except BaseException:
             await abandon_early(tokenizing, early, state)
             raise
@@ -284,15 +289,15 @@ class Router:
             yield done
 
     async def _claimed(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None],
-                       early: asyncio.Future[Admitting] | None) -> bool:
-        """The request id's claim (a Redis round trip with several routers). An early admission
-        refused for a reason its token count cannot change (a full queue, a concurrency limit) is
-        the answer as soon as it comes back, without waiting for the claim: the claim, when it
-        lands, is given back."""
+                       early: asyncio.Future[Admitting] | None, claiming: asyncio.Future[bool] | None) -> bool:
+        """The request id's claim (a Redis round trip with several routers; `claiming`, started
+        beside the early admission). An early admission refused for a reason its token count cannot
+        change (a full queue, a concurrency limit) is the answer as soon as it comes back, without
+        waiting for the claim: the claim, when it lands, is given back."""
         registry = self.ports.registry
-        if early is None or not registry.remote:    # nothing to race: no task, no loop turn
+        if claiming is None:    # nothing to race: no task, no loop turn
             return await registry.claim(tenant.name, state.request_id)
-        claiming = asyncio.ensure_future(registry.claim(tenant.name, state.request_id))
+        assert early is not None
         try:
             await asyncio.wait((claiming, early), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:

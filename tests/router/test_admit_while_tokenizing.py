@@ -244,6 +244,34 @@ async def test_admission_does_not_wait_for_the_id_claim_and_a_duplicate_gives_it
     assert c.admission.held == set() and c.router.in_flight == 0
 
 
+async def test_the_early_enqueue_and_the_id_claim_start_before_the_prompt_is_encoded() -> None:
+    """Both Redis calls are started (each writes in its first step, `Batcher` / `Pipeliner` while
+    idle) before the tokenization's first step, which may encode on the loop: Redis answers them
+    while the CPU encodes. (It replaces two loop turns LocalTokenize used to wait before encoding.)"""
+    c = core()
+    registry = _SlowClaims()
+    c.router.ports.registry = registry
+    await _warm(c)
+    order: list[str] = []
+    real_admit, real_claim, real_tokenize = c.admission.admit, registry.claim, c.tokenizer.tokenize
+
+    async def admit(request: Any) -> Any:
+        order.append("enqueue")
+        return await real_admit(request)
+
+    async def claim(tenant: str, request_id: str) -> bool:
+        order.append("claim")
+        return await real_claim(tenant, request_id)
+
+    async def tokenize(**kw: Any) -> list[int]:
+        order.append("encode")
+        return await real_tokenize(**kw)
+    c.admission.admit, registry.claim, c.tokenizer.tokenize = admit, claim, tokenize   # type: ignore[method-assign]
+    events = await _drain(c.router.generate(TENANT, _inp(request_id="ordered")))
+    assert isinstance(events[-1], Done)
+    assert order == ["enqueue", "claim", "encode"]
+
+
 async def test_a_sessions_replica_is_asked_for_while_the_prompt_is_tokenized() -> None:
     """With several routers the session lookup is a Redis round trip: it runs alongside Tokenize and
     admission, and placement reads its answer instead of asking after them."""

@@ -116,27 +116,6 @@ async def test_short_prompts_are_encoded_here_long_ones_and_chats_without_a_serv
         await lt.close()
 
 
-async def test_an_encode_here_lets_the_early_enqueue_reach_redis_first(local):
-    """The early ENQUEUE takes two loop turns to be written (the batcher's flush, then the Redis
-    pipeline's task); an encode on the loop must not run before them."""
-    lt = _local_tok(local)
-    await lt.start()
-    order: list[str] = []
-    real = lt.encoder.tokenize
-
-    async def encode(items, finish=None):
-        order.append("encode")
-        return await real(items)
-    lt.encoder.tokenize = encode   # type: ignore[method-assign]
-    loop = asyncio.get_running_loop()
-    loop.call_soon(lambda: loop.call_soon(lambda: order.append("written")))
-    try:
-        await lt.tokenize(text="hello")
-    finally:
-        await lt.close()
-    assert order == ["written", "encode"]
-
-
 async def test_tokenize_now_gives_the_same_ids_in_the_same_turn_or_says_it_cannot(local):
     lt = _local_tok(local)
     await lt.start()

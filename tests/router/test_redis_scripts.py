@@ -228,12 +228,39 @@ async def test_the_cluster_pipeline_on_the_lean_connection(redis_proc: RedisProc
         with pytest.raises(ResponseError):
             await bad
         stats = await lib.info("commandstats")
-        assert stats["cmdstat_eval"]["calls"] == 1 and lean.connects == 1       # three claims, one EVAL
+        # the first claim, on an idle pipeline, is written at once; the two after it in the same turn
+        # go out together: three claims, two EVALs
+        assert stats["cmdstat_eval"]["calls"] == 2 and lean.connects == 1
         await lib.execute_command("CLIENT", "PAUSE", 1000, "ALL")
         with pytest.raises(RedisConnectionError, match=r"no reply in 0\.3s"):
             await pipe.call("GET", "s")
     finally:
         await lib.execute_command("CLIENT", "UNPAUSE")
+        await pipe.close()
+        await lean.close()
+        await lib.aclose()
+
+
+async def test_an_idle_lean_pipeline_writes_an_operation_before_the_loop_turns(redis_proc: RedisProc) -> None:
+    """Nothing in flight, nothing waiting: `submit` writes at once (a request's id claim is on the path
+    to its first token), where the sender task would have written it a loop turn later."""
+    from router_svc.cluster_redis import Pipeliner, open_redis
+
+    lean = _client(redis_proc.url)
+    lib = open_redis(redis_proc.url, 0.5)
+    sync = redis.Redis(unix_socket_path=str(redis_proc.sock))
+    pipe = Pipeliner(lib, 1.0, lean)
+    pipe.start()
+    try:
+        await pipe.call("PING")                 # connected
+        fut = pipe.submit("SET", "now", "1")
+        deadline = time.monotonic() + 2
+        while sync.get("now") != b"1":
+            assert time.monotonic() < deadline, "not written before the loop turned"
+            time.sleep(0.001)   # noqa: ASYNC251 - blocking on purpose: this loop must not turn
+        assert await fut == b"OK"
+    finally:
+        sync.close()
         await pipe.close()
         await lean.close()
         await lib.aclose()
