@@ -101,10 +101,13 @@ class LocalTokenize:
             return list(await self.remote.tokenize(text=text, messages=messages, timeout=timeout,
                                                    cache_key=cache_key, allow_special_tokens=allow_special_tokens))
         self.local_calls += 1
-        # An encode may run on the loop itself, holding it: the request's Redis calls are written
-        # before it (router_svc/pipeline.py starts the early ENQUEUE and the id claim first, and each
-        # writes in its first step while its connection is idle), so Redis answers while the CPU
-        # encodes. (Before they wrote in their first step, two loop turns were waited here.)
+        # An encode may run on the loop itself, holding it: the request's Redis calls go out before
+        # it, so Redis answers while the CPU encodes. router_svc/pipeline.py starts the early ENQUEUE
+        # and the id claim first; each writes in its first step while its connection is idle, and
+        # otherwise its sender (the admission batcher's flush, the cluster pipeline's task) writes in
+        # the next loop turn, which this one yield lets come first (woken in this turn, a sender runs
+        # in the next; without the yield the encode, due in this same turn, would hold it back).
+        await asyncio.sleep(0)
         try:
             async with asyncio.timeout(timeout):
                 (ids,) = await self.encoder.tokenize([item])
