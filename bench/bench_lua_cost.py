@@ -10,6 +10,7 @@ Redis spent in EVALSHA, and in the commands the scripts called):
                    parsed, its local functions defined), then `return 1`
   enqueue+settle   one request through the fast path: ENQUEUE (granted at once), then its SETTLE;
                    per request, with the commands the scripts ran and their own share
+  enqueue+settle x16  the same for 16 requests to a call (the router's batchers under load), per request
 
     python bench/bench_lua_cost.py [--calls 3000] [--cpu 1] [--json out.json]
 """
@@ -61,21 +62,33 @@ def measure(r: redis.Redis, calls: int) -> dict[str, dict[str, float]]:
 
     seq = iter(range(1 << 60))
 
-    def one_request(_: int) -> None:
-        i = next(seq)
-        member = f"bench:{i}~n{i}"
-        # one request: class standard, 500 estimated tokens, no deadline, nonce, no tenant limits, weight 1
-        reply = enqueue(keys=[META], args=[*HEAD, 1, member, "standard", 500, 0, f"n{i}", 1_000_000, 0, 0, 1.0, 15000])
-        if reply[0] != 1:
+    def requests(n: int) -> None:
+        """n requests in one ENQUEUE call, then their settles in one SETTLE call (as the router's
+        batchers send what arrives in one loop turn)."""
+        members = [f"bench:{i}~n{i}" for i in (next(seq) for _ in range(n))]
+        # per request: class standard, 500 estimated tokens, no deadline, its nonce, no tenant limits, weight 1
+        entries = [a for m in members for a in (m, "standard", 500, 0, m[-6:], 1_000_000, 0, 0, 1.0, 15000)]
+        reply = enqueue(keys=[META], args=[*HEAD, n, *entries])
+        if any(reply[3 * k] != 1 for k in range(n)):
             raise SystemExit(f"ENQUEUE did not grant at once: {reply!r}")
-        settle(keys=[META], args=[*HEAD, 1, member, reply[1], 400, 0, 1.0])
+        settles = [a for k, m in enumerate(members) for a in (m, reply[3 * k + 1], 400, 0, 1.0)]
+        settle(keys=[META], args=[*HEAD, n, *settles])
+
+    def one_request(_: int) -> None:
+        requests(1)
 
     r.flushall()
     for i in range(50):                # warm-up: scripts loaded, lease statistics past their first samples
         one_request(i)
     return {"trivial": _redis_time(r, calls, lambda i: trivial(keys=[META], args=[*HEAD, 0])),
             "prelude": _redis_time(r, calls, lambda i: prelude(keys=[META], args=[*HEAD, 0])),
-            "enqueue+settle": _redis_time(r, calls, one_request)}
+            "enqueue+settle": _redis_time(r, calls, one_request),
+            # per request, 16 to a call: the prelude and the dispatch paid once per call
+            "enqueue+settle x16": _per_request(_redis_time(r, max(1, calls // 16), lambda i: requests(16)), 16)}
+
+
+def _per_request(v: dict[str, float], n: int) -> dict[str, float]:
+    return {k: x / n for k, x in v.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
