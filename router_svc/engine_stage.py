@@ -202,9 +202,17 @@ class EngineStage:
             generated, send, loop = state.generated, detok.send, watchdog.loop
 
             def direct(chunk: EngineChunk) -> bool:
-                # Plain new tokens after the first: handed on by the mux reader itself (no hop).
-                if prefilling or state.engine_done or chunk.finished or chunk.error_reason or chunk.cached_tokens:
+                # Plain new tokens, the first included: handed on by the mux reader itself (no hop to
+                # this task; the first token's path to the client is one wake-up shorter). An error or
+                # the last chunk goes through the loop below.
+                nonlocal phase, prefilling
+                if state.engine_done or chunk.finished or chunk.error_reason or (prefilling and not chunk.token_ids):
                     return False
+                if prefilling:
+                    phase.end()
+                    phase, prefilling = start_span(_tracer, "decode", context=trace_ctx), False
+                if chunk.cached_tokens and not state.migrations:
+                    state.usage.cached_tokens = chunk.cached_tokens
                 watchdog.last = loop.time()
                 generated.extend(chunk.token_ids)
                 send(chunk.token_ids, False)

@@ -109,8 +109,8 @@ class InboxSource:
     async def get(self) -> object:
         return await self.inbox.get()
 
-    def tokens(self, *ids: int, finished: bool = False) -> None:
-        chunk = EngineChunk(list(ids), finished, "length" if finished else "")
+    def tokens(self, *ids: int, finished: bool = False, cached: int = 0) -> None:
+        chunk = EngineChunk(list(ids), finished, "length" if finished else "", cached_tokens=cached)
         take = self.inbox.sink
         if take is not None and self.inbox.empty() and take(chunk):
             self.sunk += 1

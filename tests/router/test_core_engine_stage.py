@@ -150,22 +150,23 @@ async def test_the_deadline_and_priority_are_pushed_down_to_the_engine() -> None
     assert 0 < timeout <= 20.0 and priority == 3
 
 
-async def test_plain_chunks_after_the_first_skip_the_stage_task_and_keep_their_order() -> None:
-    """The engine stage's sink (services/mux.py `Inbox.sink`): plain new tokens after the first go
-    from the stream's reader to the detokenizer at once; the first and the last chunk go through the
-    stage task. The client sees every token, in order."""
+async def test_plain_chunks_the_first_included_skip_the_stage_task_and_keep_their_order() -> None:
+    """The engine stage's sink (services/mux.py `Inbox.sink`): plain new tokens, the first included
+    (its prefix-cache hits kept), go from the stream's reader to the detokenizer at once; the last chunk
+    goes through the stage task. The client sees every token, in order."""
     c = core(FakeReplica("a", ["inbox"]))
     gen = c.router.generate(TENANT, _inp(request_id="r"))
     await anext(gen)                                     # accepted
     source = await poll(lambda: c.engines.replicas["a"].sources.get(uid(c, "r")))
     await poll(lambda: source.sink is not None, what="the stage's sink installed")
-    source.tokens(1)                                     # the first: through the task (prefill ends)
+    source.tokens(1, cached=7)                           # the first: by the sink too (prefill ends)
     first = await anext(gen)
-    assert isinstance(first, Delta) and first.text == "<1>"
+    assert isinstance(first, Delta) and first.text == "<1>" and source.sunk == 1
     source.tokens(2)
     source.tokens(3, 4)
     source.tokens(5, finished=True)                      # the last: through the task
     rest = [e async for e in gen]
     assert "".join(e.text for e in rest if isinstance(e, Delta)) == "<2><3><4><5>"
     assert isinstance(rest[-1], Done) and rest[-1].usage.completion_tokens == 5
-    assert source.sunk == 2 and source.sink is None      # the two plain chunks took the sink; removed at the end
+    assert rest[-1].usage.cached_tokens == 7
+    assert source.sunk == 3 and source.sink is None      # three plain chunks took the sink; removed at the end
