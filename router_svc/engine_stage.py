@@ -201,18 +201,24 @@ class EngineStage:
                                          timeout=state.remaining(), priority=state.priority)
             generated, send, loop = state.generated, detok.send, watchdog.loop
 
+            def started(chunk: EngineChunk) -> None:
+                # A chunk's bookkeeping before its tokens, on either path: its first token ends the
+                # prefill; the prefix-cache hits of a chunk that did not fail are the request's (not a
+                # migration's re-prefill; a failed attempt's are not kept for the next one).
+                nonlocal phase, prefilling
+                if prefilling and chunk.token_ids:
+                    phase.end()
+                    phase, prefilling = start_span(_tracer, "decode", context=trace_ctx), False
+                if chunk.cached_tokens and not state.migrations and not chunk.error_reason:
+                    state.usage.cached_tokens = chunk.cached_tokens
+
             def direct(chunk: EngineChunk) -> bool:
                 # Plain new tokens, the first included: handed on by the mux reader itself (no hop to
                 # this task; the first token's path to the client is one wake-up shorter). An error or
                 # the last chunk goes through the loop below.
-                nonlocal phase, prefilling
                 if state.engine_done or chunk.finished or chunk.error_reason or (prefilling and not chunk.token_ids):
                     return False
-                if prefilling:
-                    phase.end()
-                    phase, prefilling = start_span(_tracer, "decode", context=trace_ctx), False
-                if chunk.cached_tokens and not state.migrations:
-                    state.usage.cached_tokens = chunk.cached_tokens
+                started(chunk)
                 watchdog.last = loop.time()
                 generated.extend(chunk.token_ids)
                 send(chunk.token_ids, False)
@@ -222,13 +228,9 @@ class EngineStage:
                 source.sink = direct  # type: ignore[attr-defined]
             while True:
                 chunk = await self._next(state, source, address, watchdog)
-                if prefilling and chunk.token_ids:
-                    phase.end()
-                    phase, prefilling = start_span(_tracer, "decode", context=trace_ctx), False
+                started(chunk)
                 if chunk.error_reason:
                     self._engine_error(state, chunk)
-                if chunk.cached_tokens and not state.migrations:
-                    state.usage.cached_tokens = chunk.cached_tokens
                 state.generated.extend(chunk.token_ids)
                 if chunk.finished:
                     state.engine_done = True
