@@ -10,13 +10,14 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from services.channels import CHANNEL_OPTIONS, open_channel
 from services.client import Finished, TextDelta
-from services.errors import Cancelled
+from services.errors import REASON_KEY, RETRY_AFTER_KEY, Cancelled
 from services.grpc_util import wait_healthy
 from services.proto.tokenrelay.v1 import inference_pb2_grpc
 from tests.meshkit import metric_sum
@@ -28,6 +29,12 @@ from tokenrelay_tools.cli.launcher import CACHE, engine_args_for
 KEYS = {"t1": "key-one-" + "a" * 16, "t2": "key-two-" + "b" * 16}
 # Slow enough to catch requests before their first token and mid-stream; fast enough for 2 cores.
 SIM = ["--sim-decode-step-time", "0.01", "--sim-prefill-time-per-token", "0.0005"]
+
+
+def refusal_of(exc: Any) -> tuple[str, int]:
+    """A failed call's machine-readable reason and retry-after (ms; -1 when none) from its trailers."""
+    md = dict(exc.trailing_metadata() or ())
+    return str(md.get(REASON_KEY)), int(md.get(RETRY_AFTER_KEY, -1))
 
 
 class Procs:
@@ -73,6 +80,21 @@ class Procs:
     def counted(self, name: str, **labels: str) -> dict[str, float]:
         """Per process with a metrics page, the sum of its samples `name` with `labels`."""
         return {proc: metric_sum(url, name, **labels) for proc, url in self.metrics.items()}
+
+    async def asked_by_each_router(self, ask: Callable[[Any, str], Awaitable[Any]], n: int,
+                                   local_reason: str) -> tuple[dict[str, list[Any]], float, dict[str, float],
+                                                               dict[str, float]]:
+        """`n` requests to each router, one at a time (`ask(stub, request_id)`): their answers per
+        router, the seconds they took, and per router the ENQUEUE calls made meanwhile and the
+        refusals it decided itself for `local_reason` (the memos' e2e tests)."""
+        enqueues = self.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
+        t0 = time.monotonic()
+        answers = {name: [await ask(stub, f"{name}{i}") for i in range(n)] for name, stub in self.stubs.items()}
+        elapsed = time.monotonic() - t0
+        after = self.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
+        calls = {name: after[name] - enqueues[name] for name in self.stubs}
+        local = self.counted("tokenrelay_router_admission_local_refusals_total", reason=local_reason)
+        return answers, elapsed, calls, local
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]

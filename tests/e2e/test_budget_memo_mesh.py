@@ -6,14 +6,12 @@ without an ENQUEUE round trip each; a router with the memo off asks Redis every 
 from __future__ import annotations
 
 import hashlib
-import time
 
 import grpc
 import pytest
 
-from services.errors import REASON_KEY, RETRY_AFTER_KEY
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.e2e.prockit import Procs, routers_on_redis
+from tests.e2e.prockit import Procs, refusal_of, routers_on_redis
 
 KEY = "budget-key-" + "d" * 16
 # 200 tokens a minute: one long request spends most of it; then each request (~20 tokens) needs ~6 s
@@ -35,11 +33,10 @@ async def _ask(stub: inference_pb2_grpc.InferenceStub, rid: str, max_tokens: int
         async for _ in call:
             pass
     except grpc.aio.AioRpcError as exc:
-        md = dict(exc.trailing_metadata() or ())
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout > 2.0:
             return "deadline", 0       # queued for its budget past its deadline (while spending it)
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-        return str(md.get(REASON_KEY)), int(md.get(RETRY_AFTER_KEY, -1))
+        return refusal_of(exc)
     return "done", 0
 
 
@@ -57,18 +54,12 @@ async def test_a_tenant_past_its_budget_is_refused_by_each_router_without_a_roun
     while not spent or spent[-1][0] != "TOKEN_RATE_LIMITED":      # the rest of it
         assert len(spent) < 8, spent
         spent.append(await _ask(stubs["memo"], f"spend{len(spent)}", timeout=2.01))
-    enqueues = p.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
-    t0 = time.monotonic()
-    answers = {name: [await _ask(stub, f"{name}{i}") for i in range(N)] for name, stub in stubs.items()}
-    elapsed = time.monotonic() - t0
+    answers, elapsed, calls, local = await p.asked_by_each_router(_ask, N, "token_rate_limited")
     for name, got in answers.items():
         # Every one refused for its budget, with a retry-after past its 2 s deadline (the memo's is
         # the least the request can cost: a token of prompt and its max_tokens).
         assert {reason for reason, _ in got} == {"TOKEN_RATE_LIMITED"}, (name, got)
         assert all(2_000 < retry <= 60_000 for _, retry in got), (name, got)
-    after = p.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
-    calls = {name: after[name] - enqueues[name] for name in ROUTERS}
-    local = p.counted("tokenrelay_router_admission_local_refusals_total", reason="token_rate_limited")
     # The memo off: one ENQUEUE per request. On: Redis is asked again at most once per 500 ms
     # window (the default), so each router asks a few times, whichever router asked before.
     assert calls["asks"] >= N and local["asks"] == 0, (calls, local)

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 
 import grpc
 import pytest
 
-from services.errors import REASON_KEY, RETRY_AFTER_KEY
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.e2e.prockit import Procs, routers_on_redis
+from tests.e2e.prockit import Procs, refusal_of, routers_on_redis
 from tests.meshkit import metric_sum
 
 KEY = "queue-key-" + "q" * 16
@@ -41,8 +39,7 @@ async def _refusal(stub: inference_pb2_grpc.InferenceStub, rid: str) -> tuple[st
             raise AssertionError(f"{rid} was not refused: {event}")
     except grpc.aio.AioRpcError as exc:
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-        md = dict(exc.trailing_metadata() or ())
-        return str(md.get(REASON_KEY)), int(md.get(RETRY_AFTER_KEY, -1))
+        return refusal_of(exc)
     raise AssertionError(f"{rid} ended without a status")
 
 
@@ -74,16 +71,10 @@ async def test_a_full_queue_is_refused_by_each_router_without_a_round_trip_each(
         q2, accepted = await _held(stubs["memo2"], "q2", max_tokens=4)
         assert accepted.queue_position == 2
         held.append(q2)
-        enqueues = p.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
-        t0 = time.monotonic()
-        answers = {name: [await _refusal(stub, f"{name}{i}") for i in range(N)] for name, stub in stubs.items()}
-        elapsed = time.monotonic() - t0
+        answers, elapsed, calls, local = await p.asked_by_each_router(_refusal, N, "tenant_queue_full")
         for name, got in answers.items():
             assert {reason for reason, _ in got} == {"TENANT_QUEUE_FULL"}, (name, got)
             assert all(100 <= retry <= 60_000 for _, retry in got), (name, got)
-        after = p.counted("tokenrelay_router_redis_seconds_count", op="enqueue")
-        calls = {name: after[name] - enqueues[name] for name in ROUTERS}
-        local = p.counted("tokenrelay_router_admission_local_refusals_total", reason="tenant_queue_full")
         # The memo off: one ENQUEUE per request. On: memo2 knew from queueing q2 as the last place,
         # memo from its first refusal; each asks again at most once per 250 ms window (the default).
         assert calls["asks"] >= N and local["asks"] == 0, (calls, local)
