@@ -19,21 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import redis
+from bench_admission_cost import RedisServer
 
 from router_svc import queue_lua
-from services.redis_client import unix_socket_listening
 
 CLASSES = "interactive,0.0,4096;standard,0.1,4096;batch,0.05,4096"
 META = "tq:{bench}:meta"
@@ -97,25 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", type=int, default=-1, help="pin redis-server to this CPU")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
-    work = pathlib.Path(tempfile.mkdtemp(prefix="luacost-"))
-    sock = work / "redis.sock"
-    pin = (lambda: os.sched_setaffinity(0, {args.cpu})) if args.cpu >= 0 else None
-    server = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", "0", "--unixsocket", str(sock),
-                               "--save", "", "--appendonly", "no", "--dir", str(work)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin)
+    server = RedisServer("no", "everysec", args.cpu if args.cpu >= 0 else None)   # no persistence
     try:
-        deadline = time.monotonic() + 10
-        while not unix_socket_listening(sock):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("redis-server did not start")
-            time.sleep(0.01)
-        r = redis.Redis(unix_socket_path=str(sock))
-        results = measure(r, args.calls)
-        version = r.info("server")["redis_version"]
+        results = measure(server.client, args.calls)
+        version = server.version
     finally:
-        server.kill()
-        server.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
+        server.close()
     floor = results["trivial"]["script_us"]
     print(f"Redis {version}, {args.calls} calls each, one at a time; microseconds of Redis time per call")
     print(f"{'what':<16} {'script us':>10} {'x trivial':>10} {'commands':>9} {'their us':>9} {'Lua alone us':>13}")
