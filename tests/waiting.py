@@ -21,3 +21,14 @@ async def poll(condition: Callable[[], Any], timeout: float = 10.0, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.005)
+
+
+def block_until(condition: Callable[[], Any], timeout: float, what: str) -> None:
+    """Wait for ``condition()`` *without* letting the event loop turn (a blocking poll): for a test
+    that shows something happened within the current loop step (e.g. a command written before the
+    caller's coroutine yields), where awaiting would let the loop do it later."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        time.sleep(0.001)

@@ -4,12 +4,12 @@ fencing, idempotency, cancellation, deadlines, token budgets, dead owners and Re
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from services.errors import DeadlineExceeded, ResourceExhausted, TokenrelayError, Unavailable
 from tests.router.admission_kit import PoolView, admission, req
+from tests.waiting import block_until
 
 CLASSES = ["interactive", "standard", "batch"]
 
@@ -382,10 +382,8 @@ async def test_an_idle_admission_writes_its_enqueue_in_the_callers_own_step(redi
         await (await a.admit(req("t", "warm"))).grant.settle_tokens(1)     # scripts loaded, connection open
         admitting = asyncio.ensure_future(a.admit(req("t", "now")))
         await asyncio.sleep(0)             # the admit's first step runs; this loop turns no further below
-        deadline = time.monotonic() + 2
-        while not sync.zcard(f"tq:{{{a.settings.pool}}}:tl:t"):
-            assert time.monotonic() < deadline, "the ENQUEUE was not written in the caller's step"
-            time.sleep(0.001)   # noqa: ASYNC251 - blocking on purpose: this loop must not turn
+        block_until(lambda: sync.zcard(f"tq:{{{a.settings.pool}}}:tl:t"), 2,
+                    "the ENQUEUE was not written in the caller's step")
         await (await admitting).grant.settle_tokens(1)
     finally:
         sync.close()

@@ -21,6 +21,7 @@ from router_svc.admission_settings import AdmissionSettings
 from router_svc.redis_scripts import ScriptClient, lean_eligible, pack
 from services.redis_client import unix_socket_listening
 from tests.redisproc import RedisProc
+from tests.waiting import block_until
 
 INCR = "#!lua\nlocal n = redis.call('INCR', KEYS[1])\nreturn {n, ARGV[1], {1, 'two'}, tonumber(ARGV[2]) * 2}"
 WRITE = "#!lua\nreturn redis.call('SET', KEYS[1], ARGV[1])"
@@ -78,10 +79,7 @@ async def test_replies_match_redis_py_and_the_command_is_written_before_call_ret
         assert await client.call(_sha(INCR), INCR, ["n"], ["x", 21]) == [2, *expected[1:]]
         # Written when `call` returns: Redis runs it while this loop never turns (a blocking read here).
         fut = client.call(_sha(INCR), INCR, ["n"], ["x", 1])
-        deadline = time.monotonic() + 2
-        while int(sync.get("n") or 0) < 3:
-            assert time.monotonic() < deadline, "the call did not reach Redis before the loop turned"
-            time.sleep(0.001)   # noqa: ASYNC251 - blocking on purpose: this loop must not turn
+        block_until(lambda: int(sync.get("n") or 0) >= 3, 2, "the call did not reach Redis before the loop turned")
         assert (await fut)[0] == 3
         # Many calls at once on the one connection, answered in order.
         results = await asyncio.gather(*(client.call(_sha(INCR), INCR, ["n"], ["y", i]) for i in range(50)))
@@ -254,10 +252,7 @@ async def test_an_idle_lean_pipeline_writes_an_operation_before_the_loop_turns(r
     try:
         await pipe.call("PING")                 # connected
         fut = pipe.submit("SET", "now", "1")
-        deadline = time.monotonic() + 2
-        while sync.get("now") != b"1":
-            assert time.monotonic() < deadline, "not written before the loop turned"
-            time.sleep(0.001)   # noqa: ASYNC251 - blocking on purpose: this loop must not turn
+        block_until(lambda: sync.get("now") == b"1", 2, "not written before the loop turned")
         assert await fut == b"OK"
     finally:
         sync.close()
