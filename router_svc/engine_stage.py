@@ -86,6 +86,9 @@ class EngineStage:
         index = getattr(self.placement, "index", None)
         self.index: PrefixIndex | None = index if isinstance(index, PrefixIndex) else None
         self.policy_name: str = getattr(self.placement, "name", type(self.placement).__name__)
+        # Looked up once (`labels()` locks and checks its arguments on each call).
+        self._routed = {hit: ROUTED.labels(self.policy_name, "hit" if hit else "miss") for hit in (True, False)}
+        self._route_seconds = ROUTE_SECONDS.labels(self.policy_name)
 
     async def run(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
                   trace_ctx: Context | None = None) -> None:
@@ -175,8 +178,8 @@ class EngineStage:
                 raise
             if self.index is not None:
                 hit = self.index.placed(address, view.prompt_ids, view.cache_salt)
-                ROUTED.labels(self.policy_name, "hit" if hit else "miss").inc()
-            ROUTE_SECONDS.labels(self.policy_name).observe(time.perf_counter() - t0)
+                self._routed[bool(hit)].inc()
+            self._route_seconds.observe(time.perf_counter() - t0)
             span.set_attribute("tokenrelay.replica", address)
         if view.sticky and address != view.sticky:
             _session_moved(state, view.sticky, snapshots)

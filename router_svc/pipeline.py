@@ -37,7 +37,7 @@ from services.tracing import child_span, detached_span, inject, tracer
 from .admission_steps import BUDGET_REFUSALS, abandon_early, end_admission, final_refusal
 from .cache_key import tokenize_cache_key
 from .engine_stage import EngineStage
-from .metrics import IN_FLIGHT, QUEUED, REFUSAL, RequestMetrics
+from .metrics import QUEUED, REFUSAL, RequestMetrics
 from .placement import LeastLoaded, LocalSessionAffinity
 from .ports import (
     Admission,
@@ -167,7 +167,8 @@ class Router:
         rctx = trace.set_span_in_context(span)
         structlog.contextvars.bind_contextvars(request_id=state.request_id, tenant=tenant.name,
                                                trace_id=format(span.get_span_context().trace_id, "032x"))
-        IN_FLIGHT.labels(tenant.name).inc()
+        in_flight = metrics.children.in_flight
+        in_flight.inc()
         finished = first = answered = False
         try:
             async for event in self._generate(tenant, state, metrics, rctx):
@@ -191,7 +192,7 @@ class Router:
             raise
         finally:
             metrics.flush()
-            IN_FLIGHT.labels(tenant.name).dec()
+            in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id", "tenant", "trace_id")
             span.end()
 

@@ -12,9 +12,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 
 from router_svc.breaker import Breaker
-from router_svc.metrics import ITL, ITL_FLUSH_EVERY, RequestMetrics, _ItlBatch
+from router_svc.metrics import E2E, ITL, ITL_FLUSH_EVERY, REQUESTS, TOKENS, TTFT, RequestMetrics, _ItlBatch
 from router_svc.servicer import _delta_into, event_to_pb
-from router_svc.types import Delta
+from router_svc.types import Delta, Timings, Usage
 from router_svc.upstreams import EngineReplica
 from services.channels import open_channel
 from services.metrics import ITL_BUCKETS
@@ -88,6 +88,35 @@ def test_a_request_adds_its_counted_itl_samples_when_it_flushes() -> None:
     assert child._sum.get() == before     # type: ignore[attr-defined]  # fewer than a batch: still counted here
     metrics.flush()
     assert abs(child._sum.get() - before - 10 * 0.005) < 1e-9   # type: ignore[attr-defined]
+
+
+def test_a_request_records_into_the_series_of_its_own_tenant_and_priority() -> None:
+    """The label children a request records into are looked up once per (tenant, priority) and kept:
+    each request still lands in its own series."""
+    def count(metric: Any, *labels: str) -> float:
+        child = metric.labels(*labels)
+        return child._sum.get() if hasattr(child, "_sum") else child._value.get()   # type: ignore[no-any-return]
+
+    usage, timings = Usage(prompt_tokens=7, completion_tokens=3), Timings(ttft_seconds=0.25, total_seconds=0.5)
+    before = {"ok": count(REQUESTS, "kept-a", "normal", "ok", "STOP"),
+              "high": count(REQUESTS, "kept-a", "high", "ok", "STOP"),
+              "b": count(REQUESTS, "kept-b", "normal", "ok", "STOP"),
+              "failed": count(REQUESTS, "kept-a", "normal", "error", "OVERLOADED"),
+              "ttft": count(TTFT, "kept-a", "normal"), "e2e": count(E2E, "kept-a", "normal"),
+              "prompt": count(TOKENS, "kept-a", "prompt"), "completion": count(TOKENS, "kept-a", "completion")}
+    for _ in range(3):
+        RequestMetrics("kept-a", 2).done("stop", usage, timings)
+    RequestMetrics("kept-a", 3).done("stop", usage, timings)
+    RequestMetrics("kept-b", 2).done("stop", usage, timings)
+    RequestMetrics("kept-a", 2).failed("error", "OVERLOADED")
+    assert count(REQUESTS, "kept-a", "normal", "ok", "STOP") - before["ok"] == 3
+    assert count(REQUESTS, "kept-a", "high", "ok", "STOP") - before["high"] == 1
+    assert count(REQUESTS, "kept-b", "normal", "ok", "STOP") - before["b"] == 1
+    assert count(REQUESTS, "kept-a", "normal", "error", "OVERLOADED") - before["failed"] == 1
+    assert math.isclose(count(TTFT, "kept-a", "normal") - before["ttft"], 0.75)
+    assert math.isclose(count(E2E, "kept-a", "normal") - before["e2e"], 1.5)
+    assert count(TOKENS, "kept-a", "prompt") - before["prompt"] == 4 * 7
+    assert count(TOKENS, "kept-a", "completion") - before["completion"] == 4 * 3
 
 
 def test_delta_responses_built_in_place_equal_the_constructed_ones() -> None:
