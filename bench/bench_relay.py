@@ -269,6 +269,7 @@ class Load:
     duration: float
     t0: float            # wall clock (time.time()) at which every process starts sending
     min_delta_tokens: int = 0   # the mesh's clients ask for coarser deltas (service-to-service callers)
+    gap: float = 0.0            # seconds each stream waits after a request (0: back to back)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -315,6 +316,8 @@ async def _drive_mesh(load: Load, address: str, streams: int, stats: dict[str, A
             else:
                 if begin <= start < end:
                     stats["requests"] += 1
+            if load.gap:     # a stream at light load: the services' code runs cold (docs/benchmarks.md)
+                await asyncio.sleep(load.gap)
 
     await asyncio.gather(*(one_stream() for _ in range(streams)))
     await channel.close()
@@ -515,7 +518,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 addresses, pids = {"mesh": (mesh.routers, mesh.router_pids), "engine": (mesh.engines, mesh.engine_pids),
                                    "bare": ([mesh.bare], [mesh.bare_pid])}[target]
                 load = Load(target, addresses, streams, args.max_tokens, args.prompt, args.warmup, args.duration,
-                            time.time() + 1.5, args.min_delta_tokens if target == "mesh" else 0)
+                            time.time() + 1.5, args.min_delta_tokens if target == "mesh" else 0,
+                            args.gap_ms / 1000)
                 other = {} if target != "mesh" else {"redis": [procs.procs["redis"].pid],
                                                       "tokenizers": mesh.tokenizer_pids, "engines": mesh.engine_pids}
                 row = run_load(load, args.clients, client_cpus, pids, mesh.engine_metrics, other_pids=other,
@@ -590,6 +594,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-delta-tokens", type=int, default=0, help="the mesh's clients ask for deltas of at least "
                    "this many tokens (GenerateRequest.min_delta_tokens: a service-to-service caller); 0 = every "
                    "delta as soon as it is ready")
+    p.add_argument("--gap-ms", type=float, default=0.0, help="each stream waits this long after a request "
+                   "(0 = back to back; mesh and bare targets): with --streams 1, requests at light load, "
+                   "whose code runs cold")
     p.add_argument("--step-ms", type=float, default=1.0, help="the sim's decode step (ms)")
     p.add_argument("--per-seq-us", type=float, default=0.0, help="the sim's extra step time per running request (µs)")
     p.add_argument("--bare-step-ms", type=float, default=0.0, help="--targets bare: its ticker's period (ms); 0 = "

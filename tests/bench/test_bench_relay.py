@@ -56,6 +56,18 @@ def test_the_bare_baseline_and_coarse_deltas(tmp_path: pathlib.Path) -> None:
     assert "ratio_to_bare" not in bare
 
 
+def test_a_gap_between_requests_paces_each_stream(tmp_path: pathlib.Path) -> None:
+    """`--gap-ms`: each stream waits that long after a request (requests at light load, whose code
+    runs cold); back to back, the bare server answers thousands in the same window."""
+    out = tmp_path / "relay.json"
+    assert bench_relay.main(["--streams", "2", "--duration", "1.5", "--warmup", "0.3", "--clients", "1",
+                             "--max-tokens", "1", "--targets", "bare", "--gap-ms", "100",
+                             "--json-out", str(out)]) == 0
+    (bare,) = json.loads(out.read_text())["rows"]
+    assert bare["errors"] == 0, bare["last_error"]
+    assert 2 <= bare["requests"] <= 2 * (1.5 / 0.1 + 1)
+
+
 def test_streams_spread_evenly_over_engines() -> None:
     # One engine: each load process's whole share at it, as before.
     assert bench_relay.spread(10, 3, 1) == [[(0, 4)], [(0, 3)], [(0, 3)]]
