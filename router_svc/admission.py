@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
@@ -231,10 +231,26 @@ class Admission:
         return [self._classes_arg, spec, self.router_id, int(self.settings.lease_ttl * 1000), *rest]
 
     def call(self, script: str, *args: Any) -> asyncio.Future[Any]:
+        library = self.settings.queue_code == "library"
         if self.lean is not None:
+            if library:
+                return self.lean.fcall(queue_lua.FUNCTIONS[script], queue_lua.LIBRARY, (self._meta,), self.argv(*args))
             s = self._scripts[script]
             return self.lean.call(s.sha, s.script, (self._meta,), self.argv(*args))  # type: ignore[arg-type]
+        if library:
+            return asyncio.ensure_future(self._fcall(queue_lua.FUNCTIONS[script], self.argv(*args)))
         return asyncio.ensure_future(self._scripts[script](keys=[self._meta], args=self.argv(*args)))
+
+    async def _fcall(self, name: str, argv: list[Any]) -> Any:
+        """FCALL through redis-py (a cluster URL, `--redis-client redis-py`), the library loaded
+        when Redis does not have it (on every primary of a cluster)."""
+        try:
+            return await self.redis.fcall(name, 1, self._meta, *argv)
+        except ResponseError as exc:
+            if "Function not found" not in str(exc):
+                raise
+        await self.redis.function_load(queue_lua.LIBRARY, replace=True)
+        return await self.redis.fcall(name, 1, self._meta, *argv)
 
     async def run(self, script: str, *args: Any) -> Any:
         """One script call, timed by `_watch`; Redis failures raise (the caller decides)."""

@@ -62,35 +62,49 @@ maxmemory (a clean OutOfMemoryError, nothing half-written); the others carry `al
 settling, cancelling and expiring free memory and must go on.
 """
 
-PRELUDE = r"""
-local P = string.sub(KEYS[1], 1, -5)
+# Every call's own state: the pool's key prefix, the time, the class table, the caller, the capacity,
+# and the grants and freed slots the call collects. In the scripts (EVALSHA) these are locals of the
+# call; in the function library (`LIBRARY`) they live beside its functions and `setup` sets them on
+# each call, the class table parsed again only when ARGV[1] changed.
+_STATE_NAMES = "P, NOW, CLASSES, SHARE, CMAXQ, RANK, CLASSES_ARG, ME, TTL, CAP, HEADROOM, HOLD, GRANTS, FREED"
+_STATE = r"""
+P = string.sub(KEYS[1], 1, -5)
 local tm = redis.call('TIME')
-local NOW = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
-local CLASSES, SHARE, CMAXQ, RANK = {}, {}, {}, {}
-for name, share, maxq in string.gmatch(ARGV[1], '([^,;]+),([^,;]+),([^,;]+)') do
-  CLASSES[#CLASSES + 1] = name
-  SHARE[name] = tonumber(share)
-  CMAXQ[name] = tonumber(maxq)
-  RANK[name] = #CLASSES
+NOW = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
+if ARGV[1] ~= CLASSES_ARG then
+  CLASSES, SHARE, CMAXQ, RANK = {}, {}, {}, {}
+  for name, share, maxq in string.gmatch(ARGV[1], '([^,;]+),([^,;]+),([^,;]+)') do
+    CLASSES[#CLASSES + 1] = name
+    SHARE[name] = tonumber(share)
+    CMAXQ[name] = tonumber(maxq)
+    RANK[name] = #CLASSES
+  end
+  CLASSES_ARG = ARGV[1]
 end
-local ME, TTL = ARGV[3], tonumber(ARGV[4])
+ME, TTL = ARGV[3], tonumber(ARGV[4])
 -- ARGV[2] = "CAP:HEADROOM": requests dispatched freely, and the slots beyond them that only a tenant
 -- below its fair share of the whole pool may take (so a quiet tenant never waits behind a noisy one's
 -- full pool for a slot to free).
 -- A third field, HOLD (ms), keeps the slot a tenant below its share just freed for its next request
 -- that long (it is between requests; without the hold the busiest tenant takes the slot at once).
-local CAP, HEADROOM, HOLD = 1000000000, 0, 0           -- never told: no bound of its own
+CAP, HEADROOM, HOLD = 1000000000, 0, 0           -- never told: no bound of its own
 local cap_spec = ARGV[2]
 if cap_spec == '' then cap_spec = redis.call('GET', P .. 'cap') or '' end
 if cap_spec ~= '' then
   local a, b, h = string.match(cap_spec, '^(%d+):?(%d*):?(%d*)$')
   CAP, HEADROOM, HOLD = tonumber(a), tonumber(b) or 0, tonumber(h) or 0
 end
+GRANTS = {}      -- {member, fence} of grants owned by the caller (others get a PUBLISH)
+-- Fences of the leases this call ended whose tenant keeps no slot (SETTLE fills it): each such slot
+-- the dispatch would give to a class below the priority hold's class is held for that class instead.
+FREED = {}
+"""
 
+# The helper functions every operation shares (defined on every EVALSHA call; once in `LIBRARY`).
+_FUNCTIONS = r"""
 local function store_cap()        -- by the periodic calls (BEAT, REAP): the reaper's dispatch uses it
   if ARGV[2] ~= '' then redis.call('SET', P .. 'cap', ARGV[2]) end
 end
-local GRANTS = {}      -- {member, fence} of grants owned by the caller (others get a PUBLISH)
 
 local function rk(m) return P .. 'r:' .. m end
 local function tenant_of(m) return string.match(m, '^([^:]*):') end
@@ -425,9 +439,6 @@ local function drop_queued(m, why)
   redis.call('HSET', rk(m), 'why', why)
 end
 
--- Fences of the leases this call ended whose tenant keeps no slot (SETTLE fills it): each such slot
--- the dispatch would give to a class below the priority hold's class is held for that class instead.
-local FREED = {}
 
 local function dispatch()
   local inflight = busy()
@@ -543,6 +554,8 @@ local function grant_now(m, T, c, cost, dl, nonce, w)
 end
 """
 
+PRELUDE = f"local {_STATE_NAMES}\n" + _STATE + _FUNCTIONS
+
 # Many requests in one call (the router batches those that arrive together): ARGV[5] = n, then
 # per request 10 values: member, class, cost, deadline_ms (remaining; 0 = none), nonce,
 # max_in_flight, max_queued, tokens_per_minute, weight, max_wait_ms.
@@ -552,7 +565,7 @@ end
 # aside>'); then the grants (member, fence, why) of other requests.
 # An entry of the same id under another nonce is replaced: the router's id registry, which makes
 # ids unique per tenant across routers, let this one through, so the old one's router is gone.
-ENQUEUE = "#!lua\n" + PRELUDE + r"""
+_ENQUEUE = r"""
 local function enqueue_one(A)
   local m, c, cost = A[1], A[2], tonumber(A[3])
   local remaining, nonce = tonumber(A[4]), A[5]
@@ -673,7 +686,7 @@ return out
 # tokens_per_minute, weight. Reply: per lease {1 settled | 2 its lease had expired (charged,
 # capacity already returned) | 3 settled already | 0 stale or unknown}, then the grants of the
 # dispatch that follows (once, for all of them).
-SETTLE = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+_SETTLE = r"""
 -- Nothing queued in class c or above, and no queued lower class below its minimum share: a request
 -- of class c that just ended may keep its slot for its tenant's next one (priority between requests).
 local function outranks_queue(c)
@@ -753,7 +766,7 @@ return out
 
 # ARGV[5..]: member, nonce. Reply: {1 removed from the queue | 2 leased (fence follows: settle it) |
 #                                   0 unknown, [fence], grants...}
-CANCEL = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+_CANCEL = r"""
 local m, nonce = ARGV[5], ARGV[6]
 local rec = redis.call('HMGET', rk(m), 'st', 'n', 'f', 'o')
 local reply
@@ -779,7 +792,7 @@ return reply
 # Reply: {depth per class..., then per item: kind, member, value}: kind 'lost' (a lease that
 # expired or was fenced off), 'pos' (queued; value = position), 'gone' (value = why),
 # followed by the grants (member, fence, why).
-BEAT = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+_BEAT = r"""
 store_cap()
 housekeeping()
 local out = depths({})
@@ -834,7 +847,7 @@ return out
 
 # Housekeeping and dispatch only (a router runs it every --reap-interval: expired leases and
 # deadlines, budgets that refilled). Reply: {depth per class..., grants...}.
-REAP = "#!lua flags=allow-oom\n" + PRELUDE + r"""
+_REAP = r"""
 store_cap()
 housekeeping()
 dispatch()
@@ -842,3 +855,33 @@ local out = depths({})
 for _, g in ipairs(GRANTS) do out[#out + 1] = g end
 return out
 """
+
+
+# name -> (its body after the prelude, whether it runs when Redis is at maxmemory: the operations that
+# settle, cancel and expire free memory and must go on; ENQUEUE is refused before it writes anything)
+_BODIES = {"ENQUEUE": (_ENQUEUE, False), "SETTLE": (_SETTLE, True), "CANCEL": (_CANCEL, True),
+           "BEAT": (_BEAT, True), "REAP": (_REAP, True)}
+ENQUEUE, SETTLE, CANCEL, BEAT, REAP = (
+    ("#!lua flags=allow-oom\n" if oom else "#!lua\n") + PRELUDE + body for body, oom in _BODIES.values())
+
+
+def _library() -> tuple[str, dict[str, str]]:
+    """The same operations as one Redis function library (Redis 7: FUNCTION LOAD once, FCALL per
+    call): the shared functions are defined once when it loads, not on every call as in the scripts
+    above, and the class table is parsed again only when it changes. Its name and its functions'
+    names carry a hash of the code, so routers of two versions sharing one Redis each call their own."""
+    import hashlib
+
+    code = _STATE + _FUNCTIONS + "".join(body for body, _ in _BODIES.values())
+    tag = hashlib.sha1(code.encode()).hexdigest()[:12]
+    names = {op: f"tq_{op.lower()}_{tag}" for op in _BODIES}
+    parts = [f"#!lua name=tokenrelay_tq_{tag}\n", "local KEYS, ARGV\n", f"local {_STATE_NAMES}\n",
+             "local function setup(keys, argv)\n  KEYS, ARGV = keys, argv\n", _STATE, "end\n", _FUNCTIONS]
+    for op, (body, oom) in _BODIES.items():
+        flags = "{'allow-oom'}" if oom else "{}"
+        parts.append(f"redis.register_function{{function_name='{names[op]}', flags={flags}, "
+                     f"callback=function(keys, argv)\nsetup(keys, argv)\n{body}\nend}}\n")
+    return "".join(parts), names
+
+
+LIBRARY, FUNCTIONS = _library()

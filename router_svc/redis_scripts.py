@@ -107,13 +107,17 @@ class _Call:
     args: tuple[Any, ...]
     future: asyncio.Future[Any]
     raw: bytes = b""
-    by_body: bool = False       # sent as EVAL (the script was unknown to Redis)
+    library: bool = False       # `sha` names a function of the library `body` (FCALL)
+    by_body: bool = False       # sent as EVAL (the script was unknown to Redis), or sent again after
+                                # its library was loaded
     resent: bool = False        # sent again after its connection died
     sent_at: float = field(default=0.0)
 
     def command(self) -> bytes:
         if not self.sha:
             return self.raw
+        if self.library:
+            return pack("FCALL", self.sha, len(self.keys), *self.keys, *self.args)
         head = ("EVAL", self.body) if self.by_body else ("EVALSHA", self.sha)
         return pack(*head, len(self.keys), *self.keys, *self.args)
 
@@ -195,6 +199,7 @@ class ScriptClient:
         self._conn: _Connection | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._queued: list[_Call] = []
+        self._loading: dict[str, asyncio.Future[Any]] = {}     # library code -> its FUNCTION LOAD
         self._closed = False
         self.connects = 0            # connections made (tests)
         self.last_abort = ""
@@ -203,6 +208,15 @@ class ScriptClient:
              ) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._submit(_Call(sha, body, tuple(keys), tuple(args), fut))
+        return fut
+
+    def fcall(self, name: str, library: str, keys: list[Any] | tuple[Any, ...], args: list[Any] | tuple[Any, ...]
+              ) -> asyncio.Future[Any]:
+        """FCALL of function `name` of the function library `library` (its code): a library unknown to
+        Redis (a restart without persistence, FUNCTION FLUSH) is loaded (FUNCTION LOAD REPLACE, once
+        for every call that found it missing) and the call sent again; a failed load is the call's error."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._submit(_Call(name, library, tuple(keys), tuple(args), fut, library=True))
         return fut
 
     def command(self, *args: Any) -> asyncio.Future[Any]:
@@ -283,15 +297,37 @@ class ScriptClient:
             return
         if isinstance(reply, _ErrorReply):
             message = str(reply)
-            if message.startswith("NOSCRIPT") and entry.sha and not entry.by_body:
+            if message.startswith("NOSCRIPT") and entry.sha and not entry.by_body and not entry.library:
                 entry.by_body = True        # loaded by this EVAL; the next calls' EVALSHA finds it
                 self._submit(entry)
+                return
+            if entry.library and not entry.by_body and "Function not found" in message:
+                entry.by_body = True
+                self._load(entry.body).add_done_callback(lambda load: self._loaded(entry, load))
                 return
             if not entry.future.done():
                 entry.future.set_exception(_error(message))
             return
         if not entry.future.done():
             entry.future.set_result(reply)
+
+    def _load(self, library: str) -> asyncio.Future[Any]:
+        """FUNCTION LOAD REPLACE of `library`, one at a time for all the calls that found it missing."""
+        load = self._loading.get(library)
+        if load is None or load.done():
+            load = self._loading[library] = self.command("FUNCTION", "LOAD", "REPLACE", library)
+            load.add_done_callback(lambda done: self._loading.pop(library, None) if self._loading.get(library)
+                                   is done else None)
+        return load
+
+    def _loaded(self, entry: _Call, load: asyncio.Future[Any]) -> None:
+        if entry.future.done():
+            return
+        error = None if load.cancelled() else load.exception()
+        if load.cancelled() or error is not None:
+            entry.future.set_exception(error or RedisConnectionError("Redis: the function library did not load"))
+            return
+        self._submit(entry)
 
     def _lost(self, conn: _Connection, waiting: list[_Call | asyncio.Future[Any]], exc: Exception | None) -> None:
         if self._conn is conn:

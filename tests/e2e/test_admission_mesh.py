@@ -3,8 +3,8 @@
 - a queued request sees its position in repeated `accepted` messages, and a Cancel sent to the
   *other* router removes it from the queue at once;
 - nothing lost, proven with a ledger: under load, kill -9 of a router, a router stopped past its
-  lease (SIGSTOP), kill -9 of Redis (AOF) and restart, SCRIPT FLUSH and Redis at maxmemory, every
-  accepted request ends in exactly one terminal state its client sees (its `done`, or a typed
+  lease (SIGSTOP), kill -9 of Redis (AOF) and restart, SCRIPT FLUSH and FUNCTION FLUSH, Redis at
+  maxmemory, every accepted request ends in exactly one terminal state its client sees (its `done`, or a typed
   status), none hangs, and once leases expire no capacity is left held. A positive control (a
   router stopped for good) must show loss, to prove the checker catches it.
 """
@@ -181,7 +181,8 @@ async def test_nothing_is_lost_under_faults_and_no_capacity_leaks(mesh) -> None:
         await asyncio.sleep(2.0)
         r = aioredis.from_url(redis.url)
         try:
-            await r.script_flush()                                 # scripts gone: they must reload
+            await r.script_flush()                                 # scripts and the function
+            await r.function_flush()                               # library gone: they must reload
             await asyncio.sleep(1.0)
             await r.config_set("maxmemory", "1")                   # Redis full: refused, typed
             await asyncio.sleep(1.0)

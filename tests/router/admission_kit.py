@@ -12,6 +12,13 @@ from router_svc.admission import Admission, AdmissionSettings
 from router_svc.ports import AdmitRequest
 
 
+async def queue_calls(r: aioredis.Redis) -> int:
+    """The admission queue's calls Redis has run: FCALLs of its function library (the default) and
+    EVALSHAs of its scripts (`--queue-code scripts`)."""
+    stats = await r.info("commandstats")
+    return sum(int(stats.get(k, {}).get("calls", 0)) for k in ("cmdstat_fcall", "cmdstat_evalsha"))
+
+
 def settings(url: str, **kw: Any) -> AdmissionSettings:
     values: dict[str, Any] = {"redis_url": url, "pool": uuid.uuid4().hex[:12], "pool_capacity": 2,
                               "lease_ttl": 5.0, "queue_poll": 0.2, "reap_interval": 0.05,

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from services.errors import DeadlineExceeded, ResourceExhausted, TokenrelayError, Unavailable
-from tests.router.admission_kit import PoolView, admission, req
+from tests.router.admission_kit import PoolView, admission, queue_calls, req
 from tests.waiting import block_until
 
 CLASSES = ["interactive", "standard", "batch"]
@@ -42,6 +42,31 @@ async def test_granted_at_once_while_the_pool_has_room_then_queued_in_order(adm)
     await asyncio.wait_for(fourth.next(), 5)
     await fourth.grant.settle_tokens(10)
     assert await view.leases() == 0 and await a.in_flight("t") == 0
+
+
+@pytest.mark.parametrize("code", ["library", "scripts"])
+async def test_the_queue_runs_as_a_function_library_or_as_scripts(redis_url, code: str) -> None:
+    """`--queue-code`: the same queue through FCALL of the function library (the default) or EVALSHA of
+    the self-contained scripts (for a Redis that refuses FUNCTION commands); the other kind never runs."""
+    a = admission(redis_url, queue_code=code)
+    view = PoolView(redis_url, a.settings.pool)
+    try:
+        await view.r.config_resetstat()
+        first, second, third = [await a.admit(req("t", str(i))) for i in range(3)]
+        assert first.grant is not None and second.grant is not None and third.position == 1
+        await first.grant.settle_tokens(10)
+        await asyncio.wait_for(third.next(), 5)
+        for x in (second, third):
+            await x.grant.settle_tokens(10)
+        assert await view.leases() == 0 and await a.in_flight("t") == 0
+        stats = await view.r.info("commandstats")
+        calls = {"library": "cmdstat_fcall", "scripts": "cmdstat_evalsha"}
+        used, other = calls.pop(code), *calls.values()
+        assert stats[used]["calls"] >= 6 and other not in stats, stats
+        await view.check_invariants(CLASSES)
+    finally:
+        await a.close()
+        await view.close()
 
 
 async def test_tenant_concurrency_limit_queues_or_refuses(adm) -> None:
@@ -394,11 +419,10 @@ async def test_requests_arriving_together_share_one_enqueue_and_one_settle_call(
     a = admission(redis_url, pool_capacity=1000)
     try:
         await (await a.admit(req("t", "warm"))).grant.settle_tokens(1)     # scripts loaded
-        before = await a.redis.info("commandstats")
+        before = await queue_calls(a.redis)
         held = await asyncio.gather(*(a.admit(req(f"t{i % 4}", f"r{i}")) for i in range(40)))
         await asyncio.gather(*(x.grant.settle_tokens(10) for x in held))
-        after = await a.redis.info("commandstats")
-        calls = after["cmdstat_evalsha"]["calls"] - before["cmdstat_evalsha"]["calls"]
+        calls = await queue_calls(a.redis) - before
         assert all(x.grant is not None for x in held)
         # 40 enqueues and 40 settles: two calls each (an idle batcher writes the first at once, the other
         # 39 go together), and a reap may slip in

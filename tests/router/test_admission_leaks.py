@@ -23,7 +23,7 @@ import structlog.testing
 from router_svc.admission import Admission, AdmissionSettings
 from services.errors import ResourceExhausted
 from tests.redisproc import RedisProc
-from tests.router.admission_kit import req
+from tests.router.admission_kit import queue_calls, req
 from tests.waiting import poll
 
 
@@ -42,11 +42,6 @@ async def _count(url: str, adm: Admission, tenant: str) -> int:
         await r.aclose()
 
 
-async def _evalsha_calls(r: aioredis.Redis) -> int:
-    stats = await r.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
-
-
 @pytest.mark.parametrize("how", ["deadline", "cancel"])
 async def test_lease_granted_after_caller_gave_up_is_released(redis_proc: RedisProc, how: str) -> None:
     adm = _admission(redis_proc.url)
@@ -55,7 +50,7 @@ async def test_lease_granted_after_caller_gave_up_is_released(redis_proc: RedisP
         warm = await adm.admit(req("t", "warm"))   # loads the script, so the paused call is the enqueue itself
         await warm.grant.settle_tokens(0)
         await asyncio.wait_for(adm.book.listening.wait(), 5)   # the grant listener holds one connection
-        calls = await _evalsha_calls(other)
+        calls = await queue_calls(other)
         await other.execute_command("CLIENT", "PAUSE", 500, "WRITE")   # Redis holds the enqueue...
         task = asyncio.ensure_future(adm.admit(req("t", "r1")))
         if how == "deadline":
@@ -84,7 +79,7 @@ def _enqueue_sent(adm: Admission) -> bool:
 
 
 async def _granted(r: aioredis.Redis, calls: int) -> bool:
-    return await _evalsha_calls(r) > calls
+    return await queue_calls(r) > calls
 
 
 async def _zero(url: str, adm: Admission, tenant: str) -> bool:
@@ -239,9 +234,9 @@ async def test_one_heartbeat_task_and_call_for_all_leases(redis_proc: RedisProc)
         held = [await adm.admit(req("t" if i % 2 else "u", f"r{i}", max_in_flight=25)) for i in range(50)]
         tasks = [t for t in asyncio.all_tasks() if t.get_name() == "admission-heartbeats"]
         assert len(tasks) == 1                             # one task for all 50 leases
-        calls = await _evalsha_calls(other)
+        calls = await queue_calls(other)
         await asyncio.sleep(1.2)                           # > 2 TTLs: only heartbeats keep them
-        ticks = await _evalsha_calls(other) - calls
+        ticks = await queue_calls(other) - calls
         assert 3 <= ticks <= 15, ticks                     # one call per tick, not one per lease
         with pytest.raises(ResourceExhausted):
             await adm.admit(req("t", "extra", max_in_flight=25, max_queued=0))

@@ -104,6 +104,42 @@ async def test_an_unknown_script_is_sent_with_its_body_after_a_flush(redis_proc:
         await client.close()
 
 
+LIBRARY = ("#!lua name=test_lib\nredis.register_function('test_incr', function(keys, argv)\n"
+           "  return {redis.call('INCR', keys[1]), argv[1]}\nend)\n")
+
+
+async def test_a_library_unknown_to_redis_is_loaded_once_for_every_call_that_found_it_missing(
+        redis_proc: RedisProc) -> None:
+    """FCALL of a function whose library Redis does not have (never loaded, a FUNCTION FLUSH, a restart
+    without persistence): one FUNCTION LOAD for all the calls that found it missing, each then sent again."""
+    client = _client(redis_proc.url)
+    lib = aioredis.from_url(redis_proc.url)
+    try:
+        assert await client.fcall("test_incr", LIBRARY, ["k"], ["a"]) == [1, b"a"]   # never loaded
+        await lib.function_flush()
+        await lib.config_resetstat()
+        results = await asyncio.gather(*(client.fcall("test_incr", LIBRARY, ["k"], [str(i)]) for i in range(20)))
+        assert sorted(r[0] for r in results) == list(range(2, 22))
+        stats = await lib.info("commandstats")
+        assert stats["cmdstat_function|load"]["calls"] == 1
+        assert stats["cmdstat_fcall"]["calls"] == 40         # each found it missing once, then ran
+    finally:
+        await lib.aclose()
+        await client.close()
+
+
+async def test_a_library_that_does_not_load_is_the_calls_error(redis_proc: RedisProc) -> None:
+    client = _client(redis_proc.url)
+    try:
+        with pytest.raises(ResponseError, match=r"(?i)error"):
+            await client.fcall("test_nope", "#!lua name=broken\nthis is not lua", ["k"], [])
+        # and a library that loads but lacks the function: its own error, no loop of loads
+        with pytest.raises(ResponseError, match="Function not found"):
+            await client.fcall("test_absent", LIBRARY, ["k"], [])
+    finally:
+        await client.close()
+
+
 async def test_errors_are_redis_py_exceptions(redis_proc: RedisProc) -> None:
     client = _client(redis_proc.url)
     lib = aioredis.from_url(redis_proc.url)
