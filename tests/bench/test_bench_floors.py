@@ -24,6 +24,9 @@ def test_the_admission_scripts_are_timed_beside_a_trivial_script(tmp_path: pathl
     # one request through ENQUEUE's fast path and its SETTLE: dozens of commands, more time than the floor
     assert 20 <= r["enqueue+settle"]["commands"] <= 120
     assert r["enqueue+settle"]["script_us"] > r["prelude"]["script_us"] > r["trivial"]["script_us"] > 0
+    # the function library runs the same commands for the same request (only the Lua around them differs)
+    assert r["library: enqueue+settle"]["commands"] == r["enqueue+settle"]["commands"]
+    assert r["library: x16"]["commands"] == r["enqueue+settle x16"]["commands"]
 
 
 def test_every_hop_is_measured_with_the_engine_stream_beside_its_floor(tmp_path: pathlib.Path) -> None:
