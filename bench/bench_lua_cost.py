@@ -17,7 +17,7 @@ Redis spent in EVALSHA, and in the commands the scripts called):
 `--gap-ms N` waits N ms before each call: Redis then runs code that has not run for that long, as
 at light load (on a shared host, much slower than back to back).
 
-    python bench/bench_lua_cost.py [--calls 3000] [--cpu 1] [--gap-ms 0] [--json out.json]
+    python bench/bench_lua_cost.py [--calls 3000] [--rounds 1] [--cpu 1] [--gap-ms 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 import time
 from typing import Any
@@ -62,7 +63,7 @@ def _redis_time(r: redis.Redis, calls: int, fn: Any, gap: float = 0.0) -> dict[s
             "commands": sum(v["calls"] for v in inner.values()) / calls}
 
 
-def measure(r: redis.Redis, calls: int, gap: float = 0.0) -> dict[str, dict[str, float]]:
+def measure(r: redis.Redis, calls: int, gap: float = 0.0, rounds: int = 1) -> dict[str, dict[str, float]]:
     trivial = r.register_script("#!lua\nreturn 1")
     prelude = r.register_script("#!lua\n" + queue_lua.PRELUDE + "\nreturn 1")
     scripts = r.register_script(queue_lua.ENQUEUE), r.register_script(queue_lua.SETTLE)
@@ -100,13 +101,21 @@ def measure(r: redis.Redis, calls: int, gap: float = 0.0) -> dict[str, dict[str,
     for i in range(50):                # warm-up: scripts loaded, lease statistics past their first samples
         one_request(i)
     batches = max(1, calls // 16)
-    return {"trivial": _redis_time(r, calls, lambda i: trivial(keys=[META], args=[*HEAD, 0]), gap),
-            "prelude": _redis_time(r, calls, lambda i: prelude(keys=[META], args=[*HEAD, 0]), gap),
-            "enqueue+settle": _redis_time(r, calls, through(scripts, 1), gap),
-            # per request, 16 to a call: the prelude and the dispatch paid once per call
-            "enqueue+settle x16": _per_request(_redis_time(r, batches, through(scripts, 16), gap), 16),
-            "library: enqueue+settle": _redis_time(r, calls, through(library, 1), gap),
-            "library: x16": _per_request(_redis_time(r, batches, through(library, 16), gap), 16)}
+    rows: dict[str, Any] = {
+        "trivial": lambda: _redis_time(r, calls, lambda i: trivial(keys=[META], args=[*HEAD, 0]), gap),
+        "prelude": lambda: _redis_time(r, calls, lambda i: prelude(keys=[META], args=[*HEAD, 0]), gap),
+        "enqueue+settle": lambda: _redis_time(r, calls, through(scripts, 1), gap),
+        # per request, 16 to a call: the prelude and the dispatch paid once per call
+        "enqueue+settle x16": lambda: _per_request(_redis_time(r, batches, through(scripts, 16), gap), 16),
+        "library: enqueue+settle": lambda: _redis_time(r, calls, through(library, 1), gap),
+        "library: x16": lambda: _per_request(_redis_time(r, batches, through(library, 16), gap), 16)}
+    # Every row once per round, the rounds one after another (interleaved: a host whose speed drifts
+    # moves every row alike); each figure is the median of its rounds.
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
+    for _ in range(rounds):
+        for name, row in rows.items():
+            runs[name].append(row())
+    return {name: {k: statistics.median(run[k] for run in got) for k in got[0]} for name, got in runs.items()}
 
 
 def _per_request(v: dict[str, float], n: int) -> dict[str, float]:
@@ -117,18 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--cpu", type=int, default=-1, help="pin redis-server to this CPU")
+    p.add_argument("--rounds", type=int, default=1, help="measure every row this many times, interleaved; "
+                   "report each row's median")
     p.add_argument("--gap-ms", type=float, default=0.0, help="wait this long before each call (light load)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     server = RedisServer("no", "everysec", args.cpu if args.cpu >= 0 else None)   # no persistence
     try:
-        results = measure(server.client, args.calls, args.gap_ms / 1000)
+        results = measure(server.client, args.calls, args.gap_ms / 1000, args.rounds)
         version = server.version
     finally:
         server.close()
     floor = results["trivial"]["script_us"]
-    print(f"Redis {version}, {args.calls} calls each, one at a time, {args.gap_ms:g} ms apart; microseconds of "
-          "Redis time per call (per request for the two-script rows)")
+    print(f"Redis {version}, {args.calls} calls each, one at a time, {args.gap_ms:g} ms apart, median of "
+          f"{args.rounds} interleaved round(s); microseconds of Redis time per call (per request for the "
+          "two-script rows)")
     print(f"{'what':<23} {'script us':>10} {'x trivial':>10} {'commands':>9} {'their us':>9} {'Lua alone us':>13}")
     for name, v in results.items():
         print(f"{name:<23} {v['script_us']:10.1f} {v['script_us'] / floor:10.1f} {v['commands']:9.1f} "
