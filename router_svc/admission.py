@@ -232,24 +232,30 @@ class Admission:
 
     def call(self, script: str, *args: Any) -> asyncio.Future[Any]:
         library = self.settings.queue_code == "library"
+        s = self._scripts[script]
         if self.lean is not None:
-            if library:
-                return self.lean.fcall(queue_lua.FUNCTIONS[script], queue_lua.LIBRARY, (self._meta,), self.argv(*args))
-            s = self._scripts[script]
+            if library:   # run as the script when the library cannot be loaded (e.g. at maxmemory)
+                return self.lean.fcall(queue_lua.FUNCTIONS[script], queue_lua.LIBRARY, (self._meta,),
+                                       self.argv(*args), script=s.script)  # type: ignore[arg-type]
             return self.lean.call(s.sha, s.script, (self._meta,), self.argv(*args))  # type: ignore[arg-type]
         if library:
-            return asyncio.ensure_future(self._fcall(queue_lua.FUNCTIONS[script], self.argv(*args)))
-        return asyncio.ensure_future(self._scripts[script](keys=[self._meta], args=self.argv(*args)))
+            return asyncio.ensure_future(self._fcall(script, self.argv(*args)))
+        return asyncio.ensure_future(s(keys=[self._meta], args=self.argv(*args)))
 
-    async def _fcall(self, name: str, argv: list[Any]) -> Any:
+    async def _fcall(self, script: str, argv: list[Any]) -> Any:
         """FCALL through redis-py (a cluster URL, `--redis-client redis-py`), the library loaded
-        when Redis does not have it (on every primary of a cluster)."""
+        when Redis does not have it (on every primary of a cluster), the call run as its script when
+        the library cannot be loaded (Redis at maxmemory refuses FUNCTION LOAD)."""
+        name = queue_lua.FUNCTIONS[script]
         try:
             return await self.redis.fcall(name, 1, self._meta, *argv)
         except ResponseError as exc:
             if "Function not found" not in str(exc):
                 raise
-        await self.redis.function_load(queue_lua.LIBRARY, replace=True)
+        try:
+            await self.redis.function_load(queue_lua.LIBRARY, replace=True)
+        except RedisError:
+            return await self._scripts[script](keys=[self._meta], args=argv)
         return await self.redis.fcall(name, 1, self._meta, *argv)
 
     async def run(self, script: str, *args: Any) -> Any:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ssl
 from collections import deque
 from collections.abc import Mapping
@@ -108,6 +109,7 @@ class _Call:
     future: asyncio.Future[Any]
     raw: bytes = b""
     library: bool = False       # `sha` names a function of the library `body` (FCALL)
+    script: str = ""            # the same operation as a script: run when the library cannot be loaded
     by_body: bool = False       # sent as EVAL (the script was unknown to Redis), or sent again after
                                 # its library was loaded
     resent: bool = False        # sent again after its connection died
@@ -202,6 +204,7 @@ class ScriptClient:
         self._loading: dict[str, asyncio.Future[Any]] = {}     # library code -> its FUNCTION LOAD
         self._closed = False
         self.connects = 0            # connections made (tests)
+        self.script_fallbacks = 0    # calls run as scripts because their library did not load
         self.last_abort = ""
 
     def call(self, sha: str, body: str, keys: list[Any] | tuple[Any, ...], args: list[Any] | tuple[Any, ...]
@@ -210,13 +213,16 @@ class ScriptClient:
         self._submit(_Call(sha, body, tuple(keys), tuple(args), fut))
         return fut
 
-    def fcall(self, name: str, library: str, keys: list[Any] | tuple[Any, ...], args: list[Any] | tuple[Any, ...]
-              ) -> asyncio.Future[Any]:
+    def fcall(self, name: str, library: str, keys: list[Any] | tuple[Any, ...], args: list[Any] | tuple[Any, ...],
+              script: str = "") -> asyncio.Future[Any]:
         """FCALL of function `name` of the function library `library` (its code): a library unknown to
         Redis (a restart without persistence, FUNCTION FLUSH) is loaded (FUNCTION LOAD REPLACE, once
-        for every call that found it missing) and the call sent again; a failed load is the call's error."""
+        for every call that found it missing) and the call sent again. When the load fails (Redis at
+        maxmemory refuses FUNCTION LOAD; an ACL or a proxy may too) the call runs as `script`, the
+        same operation as a script (EVALSHA, or EVAL with its body), or without one fails with the
+        load's error."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._submit(_Call(name, library, tuple(keys), tuple(args), fut, library=True))
+        self._submit(_Call(name, library, tuple(keys), tuple(args), fut, library=True, script=script))
         return fut
 
     def command(self, *args: Any) -> asyncio.Future[Any]:
@@ -325,6 +331,12 @@ class ScriptClient:
             return
         error = None if load.cancelled() else load.exception()
         if load.cancelled() or error is not None:
+            if entry.script:           # the same operation as a script (it runs at maxmemory if flagged so)
+                self.script_fallbacks += 1
+                entry.library, entry.by_body = False, False
+                entry.sha, entry.body = hashlib.sha1(entry.script.encode()).hexdigest(), entry.script
+                self._submit(entry)
+                return
             entry.future.set_exception(error or RedisConnectionError("Redis: the function library did not load"))
             return
         self._submit(entry)

@@ -377,10 +377,18 @@ async def test_a_class_below_its_minimum_share_goes_first(redis_url) -> None:
         await a.close()
 
 
-async def test_redis_at_maxmemory_refuses_new_requests_cleanly_and_still_settles(redis_url) -> None:
-    a = admission(redis_url)
+@pytest.mark.parametrize("client", ["lean", "redis-py"])
+@pytest.mark.parametrize("library_lost", [False, True])
+async def test_redis_at_maxmemory_refuses_new_requests_cleanly_and_still_settles(redis_url, client: str,
+                                                                                library_lost: bool) -> None:
+    """With the queue's function library lost too (FUNCTION FLUSH, as after a restart without
+    persistence), Redis at maxmemory refuses FUNCTION LOAD: the calls then run as the same scripts,
+    and a settle still goes through."""
+    a = admission(redis_url, redis_client=client)
     try:
         held = await a.admit(req("t", "1"))
+        if library_lost:
+            await a.redis.function_flush()
         await a.redis.config_set("maxmemory", "1")
         try:
             with pytest.raises(Unavailable) as e:

@@ -136,6 +136,10 @@ async def test_a_library_that_does_not_load_is_the_calls_error(redis_proc: Redis
         # and a library that loads but lacks the function: its own error, no loop of loads
         with pytest.raises(ResponseError, match="Function not found"):
             await client.fcall("test_absent", LIBRARY, ["k"], [])
+        # given the same operation as a script, a call whose library does not load runs as that script
+        assert await client.fcall("test_nope", "#!lua name=broken\nthis is not lua", ["k"], ["a", 2],
+                                  script=INCR) == [1, b"a", [1, b"two"], 4]
+        assert client.script_fallbacks == 1
     finally:
         await client.close()
 
