@@ -60,7 +60,13 @@ Replies never carry floats (Redis truncates them); times are integer millisecond
 Each script starts with a Redis 7 shebang: ENQUEUE is refused before it runs when Redis is at
 maxmemory (a clean OutOfMemoryError, nothing half-written); the others carry `allow-oom`, since
 settling, cancelling and expiring free memory and must go on.
+
+The same operations also make one Redis function library (`LIBRARY`, `FUNCTIONS`: what the routers
+call by default, `--queue-code library`): the same Lua, its shared functions defined once when the
+library loads instead of on every call, the same flags per function (docs/admission.md).
 """
+
+import hashlib
 
 # Every call's own state: the pool's key prefix, the time, the class table, the caller, the capacity,
 # and the grants and freed slots the call collects. In the scripts (EVALSHA) these are locals of the
@@ -870,8 +876,6 @@ def _library() -> tuple[str, dict[str, str]]:
     call): the shared functions are defined once when it loads, not on every call as in the scripts
     above, and the class table is parsed again only when it changes. Its name and its functions'
     names carry a hash of the code, so routers of two versions sharing one Redis each call their own."""
-    import hashlib
-
     code = _STATE + _FUNCTIONS + "".join(body for body, _ in _BODIES.values())
     tag = hashlib.sha1(code.encode()).hexdigest()[:12]
     names = {op: f"tq_{op.lower()}_{tag}" for op in _BODIES}
