@@ -45,11 +45,12 @@ async def test_granted_at_once_while_the_pool_has_room_then_queued_in_order(adm)
 
 
 @pytest.mark.parametrize("code", ["library", "scripts"])
-async def test_the_queue_runs_as_a_function_library_or_as_scripts(redis_url, code: str) -> None:
+async def test_the_queue_runs_as_a_function_library_or_as_scripts(redis_proc, code: str) -> None:
     """`--queue-code`: the same queue through FCALL of the function library (the default) or EVALSHA of
-    the self-contained scripts (for a Redis that refuses FUNCTION commands); the other kind never runs."""
-    a = admission(redis_url, queue_code=code)
-    view = PoolView(redis_url, a.settings.pool)
+    the self-contained scripts (for a Redis that refuses FUNCTION commands); the other kind never runs
+    (a Redis of this test's own: nothing else calls it)."""
+    a = admission(redis_proc.url, queue_code=code)
+    view = PoolView(redis_proc.url, a.settings.pool)
     try:
         await view.r.config_resetstat()
         first, second, third = [await a.admit(req("t", str(i))) for i in range(3)]
