@@ -69,14 +69,16 @@ def salt_root(salt: str, _cache: dict[str, int] = {}) -> int:  # noqa: B006 - a 
     return root
 
 
-def block_keys(tokens: Sequence[int], tokens_per_block: int, salt: str = "", limit: int | None = None) -> list[int]:
-    """Chained keys of the full blocks of `tokens` (at most `limit` of them)."""
+def block_keys(tokens: Sequence[int], tokens_per_block: int, salt: str = "", limit: int | None = None,
+               first: Sequence[int] = ()) -> list[int]:
+    """Chained keys of the full blocks of `tokens` (at most `limit` of them); `first`: the keys of its
+    leading blocks, already computed (they are kept, the chain goes on from the last of them)."""
     n = len(tokens) // tokens_per_block
     if limit is not None:
         n = min(n, limit)
-    key = salt_root(salt)
-    keys: list[int] = []
-    for i in range(n):
+    keys = list(first[:n])
+    key = keys[-1] if keys else salt_root(salt)
+    for i in range(len(keys), n):
         key = hash((key, *tokens[i * tokens_per_block:(i + 1) * tokens_per_block]))
         keys.append(key)
     return keys
@@ -227,7 +229,11 @@ class PrefixIndex:
         """A prompt was routed to `address` (recent placement; history for event-less replicas).
         Returns whether the replica was believed to hold its first block (as `match` counts it)."""
         r = self.replica(address)
-        keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "")
+        # The keys `match` computed for this prompt just before (the same placement), when it did: at
+        # most one block is left to add (it leaves out a last block the prompt ends exactly with).
+        memo = self._memo
+        first = memo[2].get(r.salted, ()) if memo is not None and memo[0] is prompt and memo[1] == salt else ()
+        keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "", first=first)
         reusable = len(prompt) - 1 >= self.tokens_per_block   # the engine always computes the last token
         if r.events:
             self._expire(r)

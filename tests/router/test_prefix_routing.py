@@ -28,6 +28,40 @@ def test_keys_chain_and_depend_on_salt_and_block_size() -> None:
     assert block_keys([9, *PROMPT[1:]], TPB)[3] != block_keys(PROMPT, TPB)[3]   # a changed first token
 
 
+def test_a_chain_goes_on_from_keys_already_computed() -> None:
+    assert block_keys(PROMPT, TPB, "a", first=block_keys(PROMPT, TPB, "a", limit=2)) == block_keys(PROMPT, TPB, "a")
+    assert block_keys(PROMPT[:8], TPB, "a", first=block_keys(PROMPT, TPB, "a")) == block_keys(PROMPT[:8], TPB, "a")
+
+
+def test_a_placement_takes_the_keys_its_match_computed(monkeypatch) -> None:
+    """`placed` right after `match` for the same prompt (one placement decision) goes on from the keys
+    `match` computed instead of hashing the prompt again; the index ends up the same either way. A
+    prompt of exactly 4 blocks: `match` leaves the last out (the engine computes the last token)."""
+    import router_svc.prefix_index as pi
+
+    hashed: list[int] = []
+    real = pi.block_keys
+
+    def counting(tokens, tpb, salt="", limit=None, first=()):  # type: ignore[no-untyped-def]
+        keys = real(tokens, tpb, salt, limit, first)
+        hashed.append(len(keys) - len(first[:len(keys)]))
+        return keys
+
+    monkeypatch.setattr(pi, "block_keys", counting)
+    prompt = PROMPT[:16]
+    a, b = PrefixIndex(TPB, pending_ttl=5), PrefixIndex(TPB, pending_ttl=5)
+    for index in (a, b):
+        index.reset("r", events=True)
+    a.match(prompt, ["r"], "t")
+    hashed.clear()
+    a.placed("r", prompt, "t")
+    assert hashed == [1]                                     # only the block `match` left out
+    b.placed("r", prompt, "t")                               # no match before: the whole chain
+    assert hashed == [1, 4]
+    assert a.match(prompt, ["r"], "t") == b.match(prompt, ["r"], "t") == {"r": 3}
+    assert a.placed("r", list(prompt), "t") and hashed[-1] == 4   # another list (even equal): hashed again
+
+
 def test_stored_events_make_a_replica_hold_the_prefix_and_removed_ones_drop_it() -> None:
     index = PrefixIndex(TPB, pending_ttl=0)
     index.reset("a", events=True)
