@@ -229,11 +229,9 @@ class PrefixIndex:
         """A prompt was routed to `address` (recent placement; history for event-less replicas).
         Returns whether the replica was believed to hold its first block (as `match` counts it)."""
         r = self.replica(address)
-        # The keys `match` computed for this prompt just before (the same placement), when it did: at
-        # most one block is left to add (it leaves out a last block the prompt ends exactly with).
-        memo = self._memo
-        first = memo[2].get(r.salted, ()) if memo is not None and memo[0] is prompt and memo[1] == salt else ()
-        keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "", first=first)
+        # The keys `match` computed for this prompt just before (the same placement): at most one block
+        # is left to add (it leaves out a last block the prompt ends exactly with).
+        keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "", first=self._known(prompt, salt, r))
         reusable = len(prompt) - 1 >= self.tokens_per_block   # the engine always computes the last token
         if r.events:
             self._expire(r)
@@ -271,12 +269,18 @@ class PrefixIndex:
             self._consume(keys)
 
     # -- holds (module doc) --------------------------------------------------------------------
+    def _known(self, prompt: Sequence[int], salt: str, r: _Replica) -> Sequence[int]:
+        """The keys of `prompt`'s leading blocks for `r`'s salting that `match` computed last, if it
+        was for this very prompt (the same list: at light load, until another request is placed)."""
+        memo = self._memo
+        return memo[2].get(r.salted, ()) if memo is not None and memo[0] is prompt and memo[1] == salt else ()
+
     def hold(self, address: str, prompt: Sequence[int], salt: str) -> None:
         """A request of `prompt` ended on `address`: hold the replica for the conversation's next turn."""
         r = self._replicas.get(address)
         if self.hold_ttl <= 0 or r is None:
             return
-        keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "")
+        keys = block_keys(prompt, self.tokens_per_block, salt if r.salted else "", first=self._known(prompt, salt, r))
         if keys:
             self._add_hold(address, keys[-1], self._clock())
             if self.on_hold is not None:
@@ -389,7 +393,8 @@ class PrefixIndex:
         """A request ended there: its prompt and reply (event-less replicas only: history)."""
         r = self.replica(address)
         if not r.events:
-            keys = block_keys([*prompt, *reply], self.tokens_per_block, salt if r.salted else "")
+            keys = block_keys([*prompt, *reply], self.tokens_per_block, salt if r.salted else "",
+                              first=self._known(prompt, salt, r))
             self._remember(r, keys)
             if self.on_record is not None and keys:
                 self.on_record(address, keys, "finished")

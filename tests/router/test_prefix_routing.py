@@ -34,9 +34,10 @@ def test_a_chain_goes_on_from_keys_already_computed() -> None:
 
 
 def test_a_placement_takes_the_keys_its_match_computed(monkeypatch) -> None:
-    """`placed` right after `match` for the same prompt (one placement decision) goes on from the keys
-    `match` computed instead of hashing the prompt again; the index ends up the same either way. A
-    prompt of exactly 4 blocks: `match` leaves the last out (the engine computes the last token)."""
+    """`placed` right after `match` for the same prompt (one placement decision), and `hold` when no
+    other prompt was matched since, go on from the keys `match` computed instead of hashing the prompt
+    again; the index ends up the same either way. A prompt of exactly 4 blocks: `match` leaves the last
+    out (the engine computes the last token)."""
     import router_svc.prefix_index as pi
 
     hashed: list[int] = []
@@ -60,6 +61,9 @@ def test_a_placement_takes_the_keys_its_match_computed(monkeypatch) -> None:
     assert hashed == [1, 4]
     assert a.match(prompt, ["r"], "t") == b.match(prompt, ["r"], "t") == {"r": 3}
     assert a.placed("r", list(prompt), "t") and hashed[-1] == 4   # another list (even equal): hashed again
+    a.match(prompt, ["r"], "t")
+    a.hold("r", prompt, "t")                                 # its end, nothing placed since: the same keys
+    assert hashed[-1] == 1
 
 
 def test_stored_events_make_a_replica_hold_the_prefix_and_removed_ones_drop_it() -> None:
