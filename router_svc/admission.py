@@ -61,7 +61,6 @@ T = TypeVar("T")
 # Longest wait of a hot-path call for its turn before new requests are refused (at most
 # op_timeout / 4): see `Admission.max_backlog`.
 _MAX_BACKLOG = 0.25
-_MAX_CHILDREN = 4096
 _OVERLOADED = Reason.ROUTER_OVERLOADED.value.lower()
 _RATE_LIMITED = Reason.TOKEN_RATE_LIMITED.value
 _QUEUE_FULL = Reason.TENANT_QUEUE_FULL.value
@@ -169,9 +168,9 @@ class Admission:
         self.queue_memo = QueueMemo(settings.queue_memo_ms / 1000)
         self._background: set[asyncio.Future[Any]] = set()
         # Labelled metric children, looked up once per label set rather than once per request.
-        self._outcomes: dict[tuple[str, str, str], Any] = {}
-        self._queue_times: dict[tuple[str, str], Any] = {}
-        self._seconds: dict[str, Any] = {}
+        self._outcomes: metrics.Kept[Any] = metrics.Kept(metrics.ADMISSION.labels)
+        self._queue_times: metrics.Kept[Any] = metrics.Kept(metrics.ADMISSION_QUEUE.labels)
+        self._seconds: metrics.Kept[Any] = metrics.Kept(metrics.REDIS_SECONDS.labels)
 
     # --------------------------------------------------------------------------------- plumbing
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
@@ -188,28 +187,13 @@ class Admission:
 
     def outcome(self, tenant: str, cls: str, outcome: str) -> None:
         """Count one admission outcome (`metrics.ADMISSION`)."""
-        key = (tenant, cls, outcome)
-        child = self._outcomes.get(key)
-        if child is None:
-            if len(self._outcomes) >= _MAX_CHILDREN:
-                self._outcomes.clear()
-            child = self._outcomes[key] = metrics.ADMISSION.labels(tenant, cls, outcome)
-        child.inc()
+        self._outcomes.get(tenant, cls, outcome).inc()
 
     def queue_time(self, tenant: str, cls: str, seconds: float) -> None:
-        key = (tenant, cls)
-        child = self._queue_times.get(key)
-        if child is None:
-            if len(self._queue_times) >= _MAX_CHILDREN:
-                self._queue_times.clear()
-            child = self._queue_times[key] = metrics.ADMISSION_QUEUE.labels(tenant, cls)
-        child.observe(seconds)
+        self._queue_times.get(tenant, cls).observe(seconds)
 
     def redis_seconds(self, what: str) -> Any:
-        child = self._seconds.get(what)
-        if child is None:
-            child = self._seconds[what] = metrics.REDIS_SECONDS.labels(what)
-        return child
+        return self._seconds.get(what)
 
     def use_engines(self, snapshots: Callable[[], Any]) -> None:
         """Take the pool's capacity from the engine replicas' reports (`ports.ReplicaSnapshot`s)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -20,6 +21,7 @@ from services.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 
 from .types import Timings, Usage
 
+T = TypeVar("T")
 PRIORITY_NAMES = {0: "default", 1: "low", 2: "normal", 3: "high"}
 _L = ("tenant", "priority")
 
@@ -96,51 +98,53 @@ class _ItlBatch:
         self._sum, self._n = 0.0, 0
 
 
+class Kept(Generic[T]):
+    """Values made once per key and kept: label children (`labels()` takes a lock and checks its
+    arguments on every call, ~4 µs each), or bundles of them. At most `limit` keys: when full it is
+    emptied, and a key seen again is made afresh."""
+
+    __slots__ = ("_kept", "_limit", "_make")
+
+    def __init__(self, make: Callable[..., T], limit: int = 4096) -> None:
+        self._make = make
+        self._limit = limit
+        self._kept: dict[tuple[Any, ...], T] = {}
+
+    def get(self, *key: Any) -> T:
+        found = self._kept.get(key)
+        if found is None:
+            if len(self._kept) >= self._limit:
+                self._kept.clear()
+            found = self._kept[key] = self._make(*key)
+        return found
+
+
 class _Children:
-    """The labelled children one (tenant, priority) records into, looked up once: `labels()` takes
-    a lock and checks its arguments on every call, ~4 µs each and ten per request (42 µs of a
-    request's metrics before these were kept, 2026-12-06)."""
+    """The labelled children one (tenant, priority) records into, looked up once (ten per request:
+    42 µs of a request's metrics before these were kept, 2026-12-06)."""
 
-    __slots__ = ("cached", "completion", "e2e", "in_flight", "itl", "labels", "prompt", "queue", "requests", "ttft")
+    __slots__ = ("cached", "completion", "e2e", "in_flight", "itl", "prompt", "queue", "requests", "ttft")
 
-    def __init__(self, tenant: str, priority: str) -> None:
-        self.labels = (tenant, priority)
-        self.ttft, self.e2e, self.queue = TTFT.labels(tenant, priority), E2E.labels(tenant, priority), \
-            QUEUE.labels(tenant, priority)
-        self.itl = ITL.labels(tenant, priority)
-        self.prompt, self.cached, self.completion = (TOKENS.labels(tenant, kind) for kind in ("prompt", "cached",
-                                                                                               "completion"))
+    def __init__(self, tenant: str, priority: int) -> None:
+        labels = (tenant, PRIORITY_NAMES.get(priority, str(priority)))
+        self.ttft = TTFT.labels(*labels)
+        self.e2e = E2E.labels(*labels)
+        self.queue = QUEUE.labels(*labels)
+        self.itl = ITL.labels(*labels)
+        self.prompt, self.cached, self.completion = (TOKENS.labels(tenant, kind)
+                                                     for kind in ("prompt", "cached", "completion"))
         self.in_flight = IN_FLIGHT.labels(tenant)
-        self.requests: dict[tuple[str, str], Counter] = {}
-
-    def request(self, outcome: str, reason: str) -> Counter:
-        child = self.requests.get((outcome, reason))
-        if child is None:
-            if len(self.requests) >= _MAX_CHILDREN:
-                self.requests.clear()
-            child = self.requests[(outcome, reason)] = REQUESTS.labels(*self.labels, outcome, reason)
-        return child
+        self.requests: Kept[Counter] = Kept(lambda outcome, reason: REQUESTS.labels(*labels, outcome, reason))
 
 
-_MAX_CHILDREN = 4096        # label sets kept (tenants x priorities; outcomes x reasons per one)
-_children: dict[tuple[str, int], _Children] = {}
-
-
-def children(tenant: str, priority: int) -> _Children:
-    found = _children.get((tenant, priority))
-    if found is None:
-        if len(_children) >= _MAX_CHILDREN:
-            _children.clear()
-        found = _children[(tenant, priority)] = _Children(tenant, PRIORITY_NAMES.get(priority, str(priority)))
-    return found
+children: Kept[_Children] = Kept(_Children)     # by (tenant, priority)
 
 
 class RequestMetrics:
     """Per-request recorder; cheap enough for the hot path (label children are cached: `children`)."""
 
     def __init__(self, tenant: str, priority: int) -> None:
-        self.children = children(tenant, priority)
-        self.labels = self.children.labels
+        self.children = children.get(tenant, priority)
         self._itl = _ItlBatch(self.children.itl)
         self._last: float | None = None
 
@@ -158,7 +162,7 @@ class RequestMetrics:
 
     def done(self, reason: str, usage: Usage, t: Timings) -> None:
         c = self.children
-        c.request("ok" if reason != "cancelled" else "cancelled", reason.upper()).inc()
+        c.requests.get("ok" if reason != "cancelled" else "cancelled", reason.upper()).inc()
         c.ttft.observe(t.ttft_seconds)
         c.e2e.observe(t.total_seconds)
         c.queue.observe(t.queue_seconds)
@@ -168,7 +172,7 @@ class RequestMetrics:
         c.completion.inc(usage.completion_tokens)
 
     def failed(self, outcome: str, reason: str) -> None:
-        self.children.request(outcome, reason).inc()
+        self.children.requests.get(outcome, reason).inc()
 
 # Overload protection of this process (router_svc/overload.py) and the admission store.
 LOOP_LAG = Histogram("tokenrelay_router_loop_lag_seconds", "How late the event loop ran a 10 ms timer "
