@@ -71,13 +71,12 @@ def measure(r: redis.Redis, calls: int, gap: float = 0.0, rounds: int = 1) -> di
     names = queue_lua.FUNCTIONS
     library = (lambda keys, args: r.fcall(names["ENQUEUE"], len(keys), *keys, *args),
                lambda keys, args: r.fcall(names["SETTLE"], len(keys), *keys, *args))
-    enqueue, settle = scripts
-
     seq = iter(range(1 << 60))
 
-    def requests(n: int) -> None:
+    def requests(n: int, calls: tuple[Any, Any] = scripts) -> None:
         """n requests in one ENQUEUE call, then their settles in one SETTLE call (as the router's
-        batchers send what arrives in one loop turn)."""
+        batchers send what arrives in one loop turn), through `calls` (ENQUEUE, SETTLE)."""
+        enqueue, settle = calls
         members = [f"bench:{i}~n{i}" for i in (next(seq) for _ in range(n))]
         # per request: class standard, 500 estimated tokens, no deadline, its nonce, no tenant limits, weight 1
         entries = [a for m in members for a in (m, "standard", 500, 0, m[-6:], 1_000_000, 0, 0, 1.0, 15000)]
@@ -90,12 +89,8 @@ def measure(r: redis.Redis, calls: int, gap: float = 0.0, rounds: int = 1) -> di
     def one_request(_: int) -> None:
         requests(1)
 
-    def through(pair: tuple[Any, Any], n: int) -> Any:
-        def run(_: int) -> None:
-            nonlocal enqueue, settle
-            enqueue, settle = pair
-            requests(n)
-        return run
+    def through(calls: tuple[Any, Any], n: int) -> Any:
+        return lambda _: requests(n, calls)
 
     r.flushall()
     for i in range(50):                # warm-up: scripts loaded, lease statistics past their first samples

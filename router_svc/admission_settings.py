@@ -58,9 +58,10 @@ class AdmissionSettings(Section):
     queue_code: Literal["library", "scripts"] = Field(
         "library", description="how the admission queue's Lua runs in Redis: library = one function library, loaded "
                                "once (FUNCTION LOAD, again after a restart that lost it) and called by FCALL, its "
-                               "shared functions defined once (a request's Redis time 0.58-0.74 of the scripts', "
-                               "bench/bench_lua_cost.py); scripts = EVALSHA of self-contained scripts, for a Redis "
-                               "or proxy that refuses FUNCTION and FCALL (an ACL, a managed service)")
+                               "shared functions defined once (a lone request's Redis time 0.77-0.88 of the "
+                               "scripts', bench/bench_lua_cost.py --rounds); scripts = EVALSHA of self-contained "
+                               "scripts, for a Redis or proxy that refuses FUNCTION and FCALL (an ACL, a managed "
+                               "service)")
     queue_classes: str = Field(
         "interactive:0:4096,standard:0.1:4096,batch:0.05:4096",
         description="priority classes, highest first, as name:min_share:max_queued. Strict priority, except "
