@@ -876,7 +876,8 @@ def _library() -> tuple[str, dict[str, str]]:
     call): the shared functions are defined once when it loads, not on every call as in the scripts
     above, and the class table is parsed again only when it changes. Its name and its functions'
     names carry a hash of the code, so routers of two versions sharing one Redis each call their own."""
-    code = _STATE + _FUNCTIONS + "".join(body for body, _ in _BODIES.values())
+    # the flags too: a function whose flags changed is another function, under another name
+    code = _STATE + _FUNCTIONS + "".join(f"{body}{oom}" for body, oom in _BODIES.values())
     tag = hashlib.sha1(code.encode()).hexdigest()[:12]
     names = {op: f"tq_{op.lower()}_{tag}" for op in _BODIES}
     parts = [f"#!lua name=tokenrelay_tq_{tag}\n", "local KEYS, ARGV\n", f"local {_STATE_NAMES}\n",
