@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from services.errors import Reason
 from services.mux import Inbox, StreamBroken
-from services.tokenization.detok_stream import DetokStream, OpenRequest, Output, TokenBatch
+from services.tokenization.detok_stream import DetokRequest, DetokStream, OpenRequest, Output, TokenBatch
 from services.tokenization.loader import LoadedTokenizer, TokenizerFiles, load_tokenizer
 
 from .tokenizer_upstream import _detok_merge, _detok_out
@@ -33,13 +33,15 @@ MAX_OPEN = 1_000_000
 class LocalDetokSession:
     """One request's detokenization (`ports.DetokSessionPort`), applied as its ids arrive."""
 
-    __slots__ = ("_closed", "_inbox", "_stream", "request_id")
+    __slots__ = ("_closed", "_fast", "_inbox", "_plain", "_stream", "request_id")
 
     def __init__(self, stream: DetokStream, request_id: str) -> None:
         self._stream = stream
         self.request_id = request_id
         self._inbox: Inbox[DetokOut] = Inbox()
         self._closed = False
+        self._plain: DetokRequest | None = None   # its state while one id at a time may skip the batch path
+        self._fast = 0                         # ids applied that way, not counted in DETOK_TOKENS yet
 
     def start(self, stop: list[str], include_stop: bool, prefix_ids: list[int],
               trace_context: dict[str, str]) -> None:
@@ -47,11 +49,43 @@ class LocalDetokSession:
                                               trace_context))
         if error:
             self._put(Output(self.request_id, finished=error != Reason.DUPLICATE_REQUEST_ID, error=error))
+        else:
+            self._plain = self._stream.plain(self.request_id)
 
     def send(self, token_ids: list[int], final: bool) -> None:
+        plain = self._plain
+        if plain is not None and not final and len(token_ids) == 1:
+            # One id, not the last, no stop strings (a one-token delta: the relay's commonest case
+            # under light load and with a slow step): straight into the decoder and the inbox.
+            self._fast += 1
+            done = self._stream.feed_one(self.request_id, plain, token_ids[0])
+            if type(done) is str:
+                if done:
+                    self._put_text(done, plain.consumed)
+                return
+            self._plain = None
+            self._put(done)         # type: ignore[arg-type]   # the error that ended it
+            return
+        self._count()
         out = self._stream.feed(TokenBatch(self.request_id, token_ids, final))
         if out is not None and (out.text or out.finished or out.error):
+            if out.finished:
+                self._plain = None
             self._put(out)
+
+    def _count(self) -> None:
+        if self._fast:
+            self._stream.count(self._fast)
+            self._fast = 0
+
+    def _put_text(self, text: str, consumed: int) -> None:
+        inbox = self._inbox
+        pending = inbox.last()
+        if type(pending) is DetokOut and not (pending.finished or pending.error):
+            pending.text += text        # folded into the output not taken yet (as `_detok_merge`)
+            pending.tokens_consumed = consumed
+        elif inbox.append(DetokOut(text, False, "", consumed, "")):
+            inbox.wake()
 
     def _put(self, out: Output) -> None:
         inbox = self._inbox
@@ -71,6 +105,8 @@ class LocalDetokSession:
         if self._closed:
             return
         self._closed = True
+        self._plain = None
+        self._count()
         if not flushed:
             self._stream.discard(self.request_id)
 

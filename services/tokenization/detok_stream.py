@@ -149,7 +149,7 @@ class Output:
 
 
 @dataclass(slots=True)
-class _Request:
+class DetokRequest:
     decoder: IncrementalDecoder
     stops: StopMatcher
     span: Span
@@ -170,7 +170,7 @@ class DetokStream:
 
     tokenizer: LoadedTokenizer
     max_requests: int = 10_000
-    _requests: dict[str, _Request] = field(default_factory=dict)
+    _requests: dict[str, DetokRequest] = field(default_factory=dict)
     _finished: OrderedDict[str, None] = field(default_factory=OrderedDict)
     # Uncontended in normal use; it guards `close()` against a batch still running in a worker
     # thread after its call was cancelled.
@@ -203,6 +203,39 @@ class DetokStream:
         """Apply one request's new ids; its output (None: nothing to say, e.g. trailing ids)."""
         with self._lock:
             return self._tokens(item)
+
+    def plain(self, request_id: str) -> DetokRequest | None:
+        """The state of an open request without stop strings, for `feed_one` (None: none such)."""
+        req = self._requests.get(request_id)
+        return req if req is not None and not req.stops.active else None
+
+    def feed_one(self, request_id: str, req: DetokRequest, token_id: int) -> str | Output:
+        """`feed` of one id that is not the request's last, for a request `plain` returned, by the one
+        thread that feeds it: the text the id makes final (often ""), or the error `Output` that
+        ends the request. No lock, no batch and no output object: a one-token delta's relay
+        (router_svc/local_detok.py) pays ~half the CPU of `feed`. Its ids are not counted in
+        DETOK_TOKENS: the caller counts them (`count`)."""
+        if not 0 <= token_id < self.tokenizer.vocab_size:
+            out = self.feed(TokenBatch(request_id, (token_id,)))
+            return out if out is not None else ""
+        if not req.consumed:
+            req.span.add_event("first_tokens")
+        req.consumed += 1
+        try:
+            return req.decoder.step(token_id)
+        except Exception:  # isolate one request's failure, as `_tokens` does
+            log.exception("detokenize_failed", request_id=request_id)
+            with self._lock:
+                if self._requests.get(request_id) is req:
+                    del self._requests[request_id]
+                    self._remember_finished(request_id)
+            req.end("error", Reason.INTERNAL)
+            return Output(request_id, finished=True, tokens_consumed=req.consumed, error=Reason.INTERNAL)
+
+    @staticmethod
+    def count(tokens: int) -> None:
+        """Ids applied by `feed_one`, into DETOK_TOKENS."""
+        metrics.DETOK_TOKENS.inc(tokens)
 
     def discard(self, request_id: str) -> None:
         """Drop a request that will get no more ids (its span ends as closed)."""
@@ -315,7 +348,7 @@ class DetokStream:
                                   attributes={"tokenrelay.request_id": item.request_id,
                                               "tokenrelay.stop_strings": len(item.stop)})
         self._finished.pop(item.request_id, None)
-        self._requests[item.request_id] = _Request(decoder, StopMatcher(item.stop, item.include_stop_str), span)
+        self._requests[item.request_id] = DetokRequest(decoder, StopMatcher(item.stop, item.include_stop_str), span)
         return ""
 
     def _tokens(self, item: TokenBatch) -> Output | None:
@@ -357,12 +390,12 @@ class DetokStream:
             self._finished.popitem(last=False)
 
 
-def _abandon(requests: Iterable[_Request]) -> None:
+def _abandon(requests: Iterable[DetokRequest]) -> None:
     for req in requests:
         req.end("abandoned")
 
 
-def _advance(rid: str, req: _Request, ids: Sequence[int], final: bool) -> Output:
+def _advance(rid: str, req: DetokRequest, ids: Sequence[int], final: bool) -> Output:
     decoder, stops = req.decoder, req.stops
     if not stops.active:
         # No stop strings: no need to know which token produced which text.

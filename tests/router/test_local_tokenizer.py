@@ -71,6 +71,73 @@ async def test_a_duplicate_id_and_an_id_outside_the_vocabulary_are_in_band_error
     assert local.open_requests == 0
 
 
+async def test_one_id_at_a_time_gives_the_batch_paths_text_counts_and_ends(local):
+    """A one-token delta skips the batch path (`DetokStream.feed_one`): the same text, split at the
+    same characters (multi-byte ones held until complete), the same tokens_consumed, the same
+    DETOK_TOKENS count once the session closes; the last id and a request with stop strings take
+    the batch path."""
+    from services.tokenization import metrics as tm
+    text = "Hello, naïve 世界 — ok"
+    ids = _ids(local, text)
+    assert len(ids) > len(text)          # multi-byte characters span several ids
+    batch = local.detokenizer("batch")
+    batch.start([], False, _ids(local, "prompt: "), {})
+    batch.send(ids, final=True)
+    (whole,) = await batch.next_ready()
+    batch.close(flushed=True)
+    counted = tm.DETOK_TOKENS._value.get()
+    one = local.detokenizer("one")
+    one.start([], False, _ids(local, "prompt: "), {})
+    texts = []
+    for i in ids[:-1]:
+        one.send([i], final=False)
+        while one._inbox.qsize():
+            out = one._inbox.get_nowait()
+            assert not out.finished and out.tokens_consumed <= len(ids)
+            texts.append(out.text)
+    assert tm.DETOK_TOKENS._value.get() == counted       # counted when the session closes
+    assert "\ufffd" not in "".join(texts)                # no half character went out
+    one.send(ids[-1:], final=True)
+    (last,) = await one.next_ready()
+    one.close(flushed=True)
+    assert "".join(texts) + last.text == whole.text == text
+    assert last.finished and last.tokens_consumed == whole.tokens_consumed == len(ids)
+    assert tm.DETOK_TOKENS._value.get() == counted + len(ids)
+    assert local.open_requests == 0
+    stops = local.detokenizer("stops")
+    stops.start(["ve 世"], False, [], {})
+    assert stops._plain is None
+    for i in ids:
+        stops.send([i], final=False)
+    outs = await stops.next_ready()
+    assert "".join(o.text for o in outs) == "Hello, naï" and outs[-1].matched_stop == "ve 世"
+    stops.close(flushed=True)
+
+
+async def test_a_decoder_failure_on_the_one_id_path_ends_only_that_request_as_internal(local, monkeypatch):
+    from services.tokenization.detokenizer import IncrementalDecoder
+    other = local.detokenizer("other")
+    other.start([], False, [], {})
+    s = local.detokenizer("fails")
+    s.start([], False, [], {})
+    s.send(_ids(local, "a"), final=False)
+    def broken(self, token_id):
+        raise RuntimeError("decoder bug")
+    monkeypatch.setattr(IncrementalDecoder, "step", broken)
+    s.send(_ids(local, "b"), final=False)
+    outs = await s.next_ready()
+    assert outs[-1].error == Reason.INTERNAL and outs[-1].finished and outs[-1].tokens_consumed == 2
+    s.send(_ids(local, "c"), final=True)      # ids already on their way: dropped, no second error
+    assert s._inbox.qsize() == 0
+    s.close(flushed=True)
+    monkeypatch.undo()
+    other.send(_ids(local, "fine"), final=True)
+    (out,) = await other.next_ready()
+    assert out.text == "fine" and out.finished
+    other.close(flushed=True)
+    assert local.open_requests == 0
+
+
 def test_the_start_check_accepts_the_same_tokenizer_and_names_each_difference(local):
     tok = local.tokenizer
     same = TokenizerMeta(tok.name, tok.vocab_size, list(tok.eos_token_ids), tok.bos_token_id, tok.max_context, True)
