@@ -21,7 +21,7 @@ from .config import RouterSettings, RoutingSettings, UpstreamSettings
 from .discovery import TokenizerDiscovery, resolve_once
 from .discovery import from_settings as discovery_from_settings
 from .kv_events import KvEventFeeds
-from .overload import AcceptProbe, OverloadGate
+from .overload import AcceptProbe, IdleSpin, OverloadGate
 from .placement import PrefixAware, PrefixWeights, make_policy
 from .placement_share import PlacementShare
 from .ports import Placement
@@ -107,8 +107,10 @@ async def serve(settings: RouterSettings) -> None:
     except TenantsFileError as exc:
         raise SystemExit(f"router_svc: {exc}") from None
     admission = Admission(settings.admission, router_id=settings.cluster.router_id)
-    gate = OverloadGate(settings.limits.max_requests_in_flight, settings.limits.max_loop_lag_ms / 1000,
-                        max_accept_wait=settings.limits.max_accept_wait_ms / 1000)
+    limits = settings.limits
+    gate = OverloadGate(limits.max_requests_in_flight, limits.max_loop_lag_ms / 1000,
+                        max_accept_wait=limits.max_accept_wait_ms / 1000,
+                        spin=IdleSpin(limits.idle_spin_ms / 1000) if limits.idle_spin_ms > 0 else None)
     # Request ids, Cancel and sessions across router processes: the admission section's Redis and pool.
     cluster = RedisCluster(settings.admission.redis_url, settings.admission.pool,
                            router_id=settings.cluster.router_id, op_timeout=min(settings.admission.op_timeout, 1.0),
@@ -161,7 +163,6 @@ async def serve(settings: RouterSettings) -> None:
         await pools.start()
         adm = settings.admission
         await admission.start()
-        limits = settings.limits
         gate.start()
         router = build_router(
             local_tok or tokenizer, engines, admission, request_timeout=limits.request_timeout,
@@ -183,7 +184,8 @@ async def serve(settings: RouterSettings) -> None:
         frozen = gcstats.settle()   # startup's objects out of the collector's way (services/gcstats.py)
         write_port_file(settings.server.port_file, server.port)
         log.info("listening", address=server.address, metrics_port=metrics_port, gc_frozen=frozen,
-                 tenants=len(tenants.registry.tenants), engines=upstreams.engines, tokenizers=upstreams.tokenizers)
+                 tenants=len(tenants.registry.tenants), engines=upstreams.engines, tokenizers=upstreams.tokenizers,
+                 idle_spin_ms=limits.idle_spin_ms)
         await wait_for_shutdown_signal()
         log.info("shutting_down", in_flight=router.in_flight)
         await server.stop(settings.server.shutdown_grace)

@@ -185,6 +185,11 @@ class LimitSettings(Section):
         0.0, ge=0, le=60_000, description="refuse new calls (UNAVAILABLE/ROUTER_OVERLOADED) while a health check this "
                                           "router sends itself every 250 ms takes longer than this many "
                                           "milliseconds (its accept path is that slow; 0 = measure only)")
+    idle_spin_ms: float = Field(
+        0.0, ge=0, le=3_600_000, description="keep the event loop polling instead of sleeping while requests "
+                                             "are in flight and for this many milliseconds after the last one "
+                                             "(lower latency at light load for a core of the router's own; "
+                                             "0 = off; docs/architecture.md, 'Idle spin')")
     max_session_id: int = Field(128, ge=1, le=4096, description="longest session_id (characters)")
     max_model_name: int = Field(256, ge=1, le=4096, description="longest model name (characters)")
     max_messages: int = Field(1024, ge=1, le=100_000, description="most chat messages in one request or turn "

@@ -175,6 +175,8 @@ class RequestMetrics:
         self.children.requests.get(outcome, reason).inc()
 
 # Overload protection of this process (router_svc/overload.py) and the admission store.
+IDLE_SPIN_SECONDS = Counter("tokenrelay_router_idle_spin_seconds_total", "Seconds this router's event loop "
+                            "polled instead of sleeping (--idle-spin-ms; a core each such second)")
 LOOP_LAG = Histogram("tokenrelay_router_loop_lag_seconds", "How late the event loop ran a 10 ms timer "
                      "(every callback of the process waited as long)",
                      buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))

@@ -95,3 +95,25 @@ async def test_metrics_count_the_traffic(traced_mesh):
     assert engine[("tokenrelay_engine_generated_tokens_total", frozenset())] >= 6 * n
     tokenizer = scrape(urls["tokenizer"])
     assert any(name.startswith("tokenrelay_tokenizer_") for name, _ in tokenizer)
+
+
+async def test_idle_spin_runs_from_a_request_to_its_window_after_and_is_counted(tmp_path, model_dir):
+    """A router with --idle-spin-ms (real processes, `tokenrelay up`): nothing spun before any request;
+    a request's life plus the window after it is counted on /metrics; then the loop sleeps again."""
+    mesh = start_mesh(tmp_path, model_dir, "sim", "--router-arg=--idle-spin-ms=300")
+    try:
+        url = mesh.state["metrics"]["router"]          # type: ignore[index]
+        name = "tokenrelay_router_idle_spin_seconds_total"
+        assert scrape(url)[(name, frozenset())] == 0.0
+        async with Client(mesh.address, mesh.api_key) as client:
+            result = await client.generate("Once upon a time", max_tokens=8, ignore_eos=True)
+        assert result.finished.completion_tokens == 8
+        deadline = asyncio.get_running_loop().time() + 10
+        while (spun := scrape(url)[(name, frozenset())]) == 0.0:   # counted when the spin stops
+            assert asyncio.get_running_loop().time() < deadline, "the spin never stopped"
+            await asyncio.sleep(0.1)
+        assert 0.3 <= spun < 5.0
+        await asyncio.sleep(0.6)
+        assert scrape(url)[(name, frozenset())] == spun             # asleep since: nothing more counted
+    finally:
+        assert stop_mesh(mesh) == 0

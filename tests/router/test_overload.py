@@ -167,3 +167,54 @@ async def test_accept_probe_sees_the_wait_before_handlers_that_loop_lag_misses()
     finally:
         await gate.close()
         await server.stop(0)
+
+
+async def test_idle_spin_polls_while_requests_are_in_flight_and_for_its_window_after() -> None:
+    """`--idle-spin-ms` (IdleSpin): the loop keeps polling (its spin callback runs over and over)
+    from a request's arrival, through its whole life however long, until the window after the
+    last one ended; then it sleeps again, and the seconds spun are counted. Timers keep their time."""
+    from router_svc.overload import IdleSpin
+
+    spin = IdleSpin(0.05)
+    gate = OverloadGate(0, 0.0, spin=spin)
+    assert not spin.spinning and spin.spins == 0
+    before = _sample("tokenrelay_router_idle_spin_seconds_total")
+    ticket = gate.enter()
+    t0 = time.monotonic()
+    await asyncio.sleep(0.15)              # three windows: still spinning, a request is in flight
+    late = time.monotonic() - t0 - 0.15
+    assert spin.spinning and spin.spins > 100
+    assert late < 0.05                     # a timer on a spinning loop fires on time
+    ticket.exit()
+    spun = spin.spins
+    await asyncio.sleep(0.02)              # inside the window after the last request
+    assert spin.spinning and spin.spins > spun
+    await poll(lambda: not spin.spinning, what="the spin to stop after its window")
+    stopped = spin.spins
+    await asyncio.sleep(0.05)
+    assert spin.spins == stopped           # asleep: no callback scheduled any more
+    counted = _sample("tokenrelay_router_idle_spin_seconds_total") - before
+    assert 0.2 <= counted < 2.0            # ~0.15 s in flight + the 0.05 s window
+    with gate.enter():                     # a new request starts it again
+        await asyncio.sleep(0.01)
+        assert spin.spinning and spin.spins > stopped
+
+
+async def test_without_idle_spin_the_gate_schedules_nothing() -> None:
+    gate = OverloadGate(0, 0.0)
+    assert gate.spin is None
+    loop = asyncio.get_running_loop()
+    ready = getattr(loop, "_ready", None)   # the standard loop's queue of callbacks (uvloop has none to see)
+    with gate.enter():
+        assert ready is None or not ready
+
+
+def test_idle_spin_ms_is_a_bounded_router_setting() -> None:
+    from router_svc.config import RouterSettings
+    from services.config import load_settings
+
+    base = ["--tenants-file", "t.yaml"]
+    assert load_settings(RouterSettings, base, environ={}).limits.idle_spin_ms == 0.0
+    assert load_settings(RouterSettings, [*base, "--idle-spin-ms", "250"], environ={}).limits.idle_spin_ms == 250.0
+    with pytest.raises(SystemExit):
+        load_settings(RouterSettings, [*base, "--idle-spin-ms", "-1"], environ={})
