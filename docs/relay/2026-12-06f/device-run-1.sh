@@ -4,7 +4,7 @@
 #             grpc.aio Generate server on the same core, 256 streams, 10 ms sim steps; a probe on core 15; this
 #             tree and .before/ interleaved, ROUNDS
 #   ttft      chat-multiturn TTFT added by `tokenrelay up --engine sim` (bench/ttft_pinned.sh, --compare), this tree
-#             and .before/ interleaved, ROUNDS
+#             with the routers' --idle-spin-ms 1000 and without, interleaved, ROUNDS
 #   local     the relay at 256 streams (fast sim, 1 ms steps, 256-token replies) with up's local options; ROUNDS
 #   g4        four simulated H200s (Llama 3.1 8B FP8 calibration), 8 routers on cores 0-7 with the local options,
 #             a core per engine, mesh and engines alone at 1,024 and 4,096 streams; G4ROUNDS
@@ -25,9 +25,9 @@ on onetoken && for r in $(seq ${ROUNDS:-2}); do for v in new old; do
   el "onetoken $v $r"; row $W/onetoken_${v}_$r.txt; grep -iE "probe" $W/onetoken_${v}_$r.txt | head -3
 done; done
 mkdir -p $W/ttft
-on ttft && for r in $(seq ${ROUNDS:-2}); do for v in new old; do
-  T=$ROOT; [ $v = old ] && T=$ROOT/.before
-  TREE=$T OUT=$W/ttft TAG=${v}$r DUR=20 COMPARE=1 TRACED=0 timeout 80 bash bench/ttft_pinned.sh > /dev/null 2>&1
+on ttft && for r in $(seq ${ROUNDS:-2}); do for v in spin plain; do
+  A=""; [ $v = spin ] && A="--router-arg=--idle-spin-ms=1000"
+  UP_ARGS="$A" OUT=$W/ttft TAG=${v}$r DUR=20 COMPARE=1 TRACED=0 timeout 80 bash bench/ttft_pinned.sh > /dev/null 2>&1
   el "ttft $v $r"; grep -E '^(TTFT p(50|99)|server TTFT p50)' $W/ttft/${v}${r}_compare.txt | sed 's/  */ /g' | tr '\n' ';'; echo
 done; done
 on local && for r in $(seq ${ROUNDS:-2}); do
