@@ -39,11 +39,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.channels import open_channel
 from services.errors import Reason
+from services.loopidle import add_spun_idle
 from services.security import PLAINTEXT, SecuritySettings
 from services.tasks import OwnedTask
 
 from . import metrics
 
+# A loop turn between two spin callbacks shorter than this ran nothing else worth counting: idle.
+_IDLE_TURN = 50e-6
 # A refusal's retry-after: at least this, plus the lag that caused it (bounded).
 _MIN_RETRY_AFTER = 0.05
 _MAX_RETRY_AFTER = 2.0
@@ -165,6 +168,7 @@ class IdleSpin:
         self.spins = 0              # loop iterations spun (tests)
         self._until = 0.0
         self._started = 0.0
+        self._last = 0.0            # loop time of the last spin callback
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def touch(self) -> None:
@@ -176,14 +180,24 @@ class IdleSpin:
         self._until = now + self.window
         if not self.spinning:
             self.spinning = True
-            self._started = now
+            self._started = self._last = now
             loop.call_soon(self._spin)
+
+    def stop(self) -> None:
+        """Stop at the next turn whatever is in flight (the process is closing; tests)."""
+        self._until = 0.0
+        self.busy = lambda: False
 
     def _spin(self) -> None:
         loop = self._loop
         assert loop is not None
         self.spins += 1
         now = loop.time()
+        if now - self._last < _IDLE_TURN:
+            # A turn that ran little but this callback: idle time, which the busy-share meters
+            # (services/mux.py's waker) leave out; a spinning loop is not a saturated one.
+            add_spun_idle(now - self._last)
+        self._last = now
         if now < self._until or self.busy():
             loop.call_soon(self._spin)
             return

@@ -6,7 +6,8 @@ may get well under a core (so its CPU share says little), while every turn still
 that a `select()` that may wait is timed, two clock reads per such loop turn; a poll with a
 zero timeout, made while callbacks are ready, is not a wait) and returns the seconds spent waiting in
 it since then. Loops without a selector to meter (e.g. uvloop) return None, and callers fall back
-to CPU time (`cpu_allowance`, and `services/mux.py`'s `_Waker`).
+to CPU time (`cpu_allowance`, and `services/mux.py`'s `_Waker`). A loop kept polling on purpose
+(`--idle-spin-ms`) reports its idle turns through `add_spun_idle`, which both meters leave out.
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ class _MeteredSelector:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+# Seconds this process's loop spent polling with nothing else to do (`router_svc/overload.py`'s
+# IdleSpin: turns that ran only its own callback). Busy-share meters subtract them: a spinning loop
+# never waits in its selector and its thread never stops using CPU, yet it is idle.
+_spun_idle = 0.0
+
+
+def add_spun_idle(seconds: float) -> None:
+    global _spun_idle
+    _spun_idle += seconds
+
+
+def spun_idle_seconds() -> float:
+    """Seconds of idle spinning so far (module note above `add_spun_idle`)."""
+    return _spun_idle
 
 
 def idle_seconds(loop: asyncio.AbstractEventLoop) -> float | None:

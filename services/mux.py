@@ -60,7 +60,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from services.errors import REASON_KEY, Reason, TokenrelayError, from_rpc_error
-from services.loopidle import cpu_allowance, idle_seconds
+from services.loopidle import cpu_allowance, idle_seconds, spun_idle_seconds
 
 Item = TypeVar("Item")
 
@@ -182,12 +182,13 @@ class _Waker:
         window = self._window
         if window is None or now - window[0] >= _BUSY_WINDOW:
             idle = idle_seconds(loop)
+            spun = spun_idle_seconds()      # a loop kept polling on purpose is idle then, not busy
             # busy seconds so far: time not spent waiting in the selector; else (uvloop) the loop
             # thread's CPU time, read beside the process's (module doc)
             if idle is not None:
-                busy, process = now - idle, 0.0
+                busy, process = now - idle - spun, 0.0
             else:
-                busy, process = time.thread_time(), time.process_time()
+                busy, process = time.thread_time() - spun, time.process_time() - spun
             if window is not None:
                 span = now - window[0]
                 self.saturated = busy - window[1] >= _BUSY_SHARE * span
