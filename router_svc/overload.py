@@ -29,6 +29,7 @@ the probe is a metric, not yet a bound (docs/architecture.md, "Overload").
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Callable
@@ -168,7 +169,7 @@ class IdleSpin:
         self.spins = 0              # loop iterations spun (tests)
         self._until = 0.0
         self._started = 0.0
-        self._last = 0.0            # loop time of the last spin callback
+        self._last = 0.0            # perf_counter() at the last spin callback
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def touch(self) -> None:
@@ -180,7 +181,8 @@ class IdleSpin:
         self._until = now + self.window
         if not self.spinning:
             self.spinning = True
-            self._started = self._last = now
+            self._started = now
+            self._last = time.perf_counter()
             loop.call_soon(self._spin)
 
     def stop(self) -> None:
@@ -192,13 +194,17 @@ class IdleSpin:
         loop = self._loop
         assert loop is not None
         self.spins += 1
-        now = loop.time()
-        if now - self._last < _IDLE_TURN:
+        tick = time.perf_counter()      # not loop.time(): uvloop's advances in whole milliseconds
+        if tick - self._last < _IDLE_TURN:
             # A turn that ran little but this callback: idle time, which the busy-share meters
             # (services/mux.py's waker) leave out; a spinning loop is not a saturated one.
-            add_spun_idle(now - self._last)
-        self._last = now
+            add_spun_idle(tick - self._last)
+        self._last = tick
+        now = loop.time()
         if now < self._until or self.busy():
+            # The GIL and the core are let go for a moment: the process's other threads (gRPC's
+            # completion poller, the encoder's worker) run now, not after a switch interval.
+            os.sched_yield()
             loop.call_soon(self._spin)
             return
         self.spinning = False
