@@ -57,9 +57,9 @@ class LocalDetokSession:
         if plain is not None and not final and len(token_ids) == 1:
             # One id, not the last, no stop strings (a one-token delta: the relay's commonest case
             # under light load and with a slow step): straight into the decoder and the inbox.
-            self._fast += 1
             done = self._stream.feed_one(self.request_id, plain, token_ids[0])
             if type(done) is str:
+                self._fast += 1     # applied: counted in DETOK_TOKENS at close (an id refused is not)
                 if done:
                     self._put_text(done, plain.consumed)
                 return

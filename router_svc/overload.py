@@ -186,7 +186,7 @@ class IdleSpin:
             loop.call_soon(self._spin)
 
     def stop(self) -> None:
-        """Stop at the next turn whatever is in flight (the process is closing; tests)."""
+        """Stop at the next turn whatever is in flight (the gate is closing)."""
         self._until = 0.0
         self.busy = lambda: False
 
@@ -261,6 +261,8 @@ class OverloadGate:
         probe.start()
 
     async def close(self) -> None:
+        if self.spin is not None:
+            self.spin.stop()
         await self.lag.close()
         if self.probe is not None:
             await self.probe.close()

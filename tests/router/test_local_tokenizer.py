@@ -64,11 +64,14 @@ async def test_a_duplicate_id_and_an_id_outside_the_vocabulary_are_in_band_error
     second.start([], False, [], {})
     (out,) = await second.next_ready()
     assert out.error == Reason.DUPLICATE_REQUEST_ID and not out.finished   # the first one carries on
+    from services.tokenization import metrics as tm
+    counted = tm.DETOK_TOKENS._value.get()
     first.send([local.tokenizer.vocab_size + 5], final=False)
     (bad,) = await first.next_ready()
     assert bad.error == Reason.INVALID_TOKEN_ID and bad.finished
     first.close(flushed=False)
     assert local.open_requests == 0
+    assert tm.DETOK_TOKENS._value.get() == counted      # an id refused is not a token detokenized
 
 
 async def test_one_id_at_a_time_gives_the_batch_paths_text_counts_and_ends(local):

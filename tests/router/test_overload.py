@@ -199,6 +199,8 @@ async def test_idle_spin_polls_while_requests_are_in_flight_and_for_its_window_a
     with gate.enter():                     # a new request starts it again
         await asyncio.sleep(0.01)
         assert spin.spinning and spin.spins > stopped
+        await gate.close()                 # and closing the gate stops it, a request in flight or not
+    await poll(lambda: not spin.spinning, what="the spin to stop at close")
 
 
 async def test_without_idle_spin_the_gate_schedules_nothing() -> None:
