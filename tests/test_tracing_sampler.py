@@ -103,3 +103,29 @@ def test_child_spans_are_made_where_they_are_recorded(monkeypatch: pytest.Monkey
     with tracing.detached_span(tracer, "queued", context=ctx):
         pass
     assert [s.name for s in exporter.get_finished_spans()] == ["child", "phase", "queued"]
+
+
+@pytest.mark.parametrize("exporting", [False, True])
+@pytest.mark.parametrize("sampled", [True, False])
+def test_recorded_parent_skips_the_extract_only_where_no_child_would_be_recorded(
+        monkeypatch: pytest.MonkeyPatch, exporting: bool, sampled: bool) -> None:
+    """`recorded_parent` (the detokenizer's session open): a child under what it returns is recorded
+    exactly as one under the extracted carrier would be, and the stream's own current span (sampled
+    here) never becomes the parent of an unsampled request's child."""
+    monkeypatch.setattr(tracing, "_exporting", exporting)
+    tracer, exporter = _provider()
+    flags = "01" if sampled else "00"
+    carrier = {"traceparent": f"00-{0x1234:032x}-{0x5678:016x}-{flags}"}
+    stream = NonRecordingSpan(SpanContext(0x9999, 0x1111, is_remote=True,
+                                          trace_flags=TraceFlags(TraceFlags.SAMPLED)))
+    with trace.use_span(stream):
+        via_extract = tracing.start_span(tracer, "a", context=tracing.extract(carrier))
+        via_helper = tracing.start_span(tracer, "b", context=tracing.recorded_parent(tracer, carrier))
+    assert via_helper.is_recording() == via_extract.is_recording() == sampled   # the parent decides
+    if via_helper.is_recording():
+        assert via_helper.get_span_context().trace_id == 0x1234
+    via_extract.end()
+    via_helper.end()
+    assert len(exporter.get_finished_spans()) == (2 if sampled else 0)
+    assert tracing.recorded_parent(tracer, {}) is None
+    assert tracing.recorded_parent(tracer, {"traceparent": "garbage"}) is not None

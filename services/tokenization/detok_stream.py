@@ -42,7 +42,7 @@ from services.tokenization import metrics
 from services.tokenization.detokenizer import MAX_CONTEXT_TOKENS, IncrementalDecoder
 from services.tokenization.loader import LoadedTokenizer
 from services.tokenization.stop_strings import StopMatcher
-from services.tracing import extract, start_span, tracer
+from services.tracing import recorded_parent, start_span, tracer
 
 log = get_logger(__name__)
 _T = TypeVar("_T")
@@ -343,7 +343,7 @@ class DetokStream:
         decoder = IncrementalDecoder(tok.decode, skip_special_tokens=item.skip_special_tokens,
                                      special_ids=tok.special_ids, prefix_ids=tail, token_bytes=tok.token_bytes)
         # One stream carries many traces: the request's own context is the parent, not the stream's.
-        parent = extract(item.trace_context) if item.trace_context else None
+        parent = recorded_parent(_tracer, item.trace_context)
         span = start_span(_tracer, "tokenizer.detokenize", context=parent, kind=SpanKind.SERVER,
                                   attributes={"tokenrelay.request_id": item.request_id,
                                               "tokenrelay.stop_strings": len(item.stop)})
