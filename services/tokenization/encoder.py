@@ -280,8 +280,13 @@ class Encoder:
         if not plans:
             return []
         assert self.chat_cache is not None
-        # Offsets are needed here (to find added tokens' positions), so not the _fast variant.
-        batch = self.tokenizer.tokenizer.encode_batch([p.suffix for p in plans], add_special_tokens=False)
+        # Offsets are needed here (to find added tokens' positions), so not the _fast variant. One
+        # plan (a lone chat, as the router's inline encodes are) is encoded on this thread: the batch
+        # call hands even one input to the library's thread pool and waits, 20-25% slower for a
+        # chat turn's suffix in every condition measured (docs/benchmarks.md, seventh session).
+        tok = self.tokenizer.tokenizer
+        batch = ([tok.encode(plans[0].suffix, add_special_tokens=False)] if len(plans) == 1
+                 else tok.encode_batch([p.suffix for p in plans], add_special_tokens=False))
         out = []
         for plan, encoding in zip(plans, batch, strict=True):
             ids = self.chat_cache.complete(plan, encoding)
