@@ -31,7 +31,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.errors import Reason, TokenrelayError
 from services.logging import get_logger
-from services.tasks import EAGER, discard, retrieve, start_now
+from services.tasks import discard, retrieve
 from services.tracing import child_span, detached_span, inject, tracer
 
 from .admission_steps import BUDGET_REFUSALS, abandon_early, end_admission, final_refusal
@@ -64,10 +64,8 @@ _tracer = tracer("tokenrelay.router")
 
 # Prompt ids handed to the detokenizer for leading-space context.
 _DETOK_CONTEXT = 8
-# Loop turns the `Accepted` of a request granted at once waits for its submit to the engine (`_run`):
-# the engine stage's first step places and posts it (in `_run`'s own step where tasks start eagerly,
-# `services.tasks.start_now`), the engine stream's sender writes it in the next turn.
-_SUBMIT_TURNS = 1 if EAGER else 2
+# Loop turns the `Accepted` of a request granted at once waits for its submit to the engine (`_run`).
+_SUBMIT_TURNS = 2
 
 
 class _OpenGate:
@@ -222,9 +220,7 @@ class Router:
         # The id claim next (a round trip raced with the early admission, when there is one), then the
         # prompt's tokenization: each writes its Redis call in its first step, in this order, so both
         # calls are on their way before an encode in this process holds the loop.
-        # Each starts now (`start_now`: on Python 3.12+ its first step, which writes its Redis call,
-        # runs in this call rather than in the next loop turn).
-        claiming = (start_now(self.ports.registry.claim(tenant.name, state.request_id))
+        claiming = (asyncio.ensure_future(self.ports.registry.claim(tenant.name, state.request_id))
                     if early is not None and self.ports.registry.remote else None)
         if refused_on_estimate and self._tokenize_now(tenant, state):
             # Tokenized here and now (nothing to overlap): a refusal on its real count is decided in
@@ -232,9 +228,9 @@ class Router:
             tokenizing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             tokenizing.set_result(None)
         else:
-            tokenizing = start_now(self._tokenize(tenant, state, rctx))
+            tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
         if inp.session_id:   # the session's replica, fetched meanwhile (placement reads it), after those
-            state.sticky = start_now(self.ports.affinity.get(tenant.name, inp.session_id))
+            state.sticky = asyncio.ensure_future(self.ports.affinity.get(tenant.name, inp.session_id))
             state.sticky.add_done_callback(retrieve)   # the request may end before placement reads it
         if refused_on_estimate:
             # Its tenant's budget refuses it on its estimate: decided on its real count first, and
@@ -338,7 +334,7 @@ class Router:
         cost = estimate + state.inp.sampling.max_tokens
         if self.ports.admission.predicts_refusal(self._admit_request(tenant, state, cost)):
             return None, None, True
-        return estimate, start_now(self._enqueue(tenant, state, rctx, cost)), False
+        return estimate, asyncio.ensure_future(self._enqueue(tenant, state, rctx, cost)), False
 
     async def _tokenized(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None]) -> None:
         """The prompt tokenized and its lengths checked (the Tokenize stopped on every way out)."""
@@ -469,13 +465,13 @@ class Router:
                     state.prompt_ids[-_DETOK_CONTEXT:], inject(rctx))
         ending = Ending(state, detok, self.ports.engines)
         self.ports.registry.on_cancel(state.tenant, state.request_id, ending.on_cancel)
-        pump = start_now(self.stage.run(state, detok, eos, rctx))
+        pump = asyncio.create_task(self.stage.run(state, detok, eos, rctx))
         pump.add_done_callback(lambda _: stage_ended(state, detok))
         flushed = False
         try:
             if accepted is not None:
-                # The stage places the request and posts it to the engine (its first step), and the
-                # engine stream's sender writes it (the next turn); then the Accepted.
+                # Two loop turns first: the stage places the request and posts it to the engine (its
+                # first step), and the engine stream's sender writes it (the next); then the Accepted.
                 # Written first, the Accepted's send held the engine's submit back by ~0.3 ms at idle.
                 for _ in range(_SUBMIT_TURNS):
                     await asyncio.sleep(0)

@@ -3,20 +3,15 @@
 Every long-lived task in a service has an owner with start/close (house style); this is the one
 implementation of that pair, so no owner hand-writes the cancel-and-await dance again. Also
 `discard`, the same dance for a one-off task whose result is no longer wanted, and `retrieve`: the
-done-callback of a future nobody may await; and `start_now`, a task whose first step runs at once.
+done-callback of a future nobody may await.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
-
-T = TypeVar("T")
-# Python 3.12's tasks may run their first step in the call that creates them (`eager_start`).
-EAGER = sys.version_info >= (3, 12)
+from typing import Any
 
 
 class OwnedTask:
@@ -63,16 +58,3 @@ def retrieve(fut: asyncio.Future[Any]) -> None:
     its request did not live to use): its exception counts as seen, so asyncio never logs it."""
     if not fut.cancelled():
         fut.exception()
-
-
-def start_now(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-    """A task for `coro` whose first step runs now, in this call, up to its first real suspension
-    (Python 3.12+: `eager_start`; on older Pythons an ordinary task, whose first step runs in the
-    next loop turn). For work on a request's path whose first step writes something (a Redis call,
-    a submit to an engine): it is on its way without waiting for a loop turn. The caller's code
-    after this call then runs after that first step, not before it; a coroutine that finishes
-    without suspending gives a task that is already done."""
-    loop = asyncio.get_running_loop()
-    if EAGER:
-        return asyncio.Task(coro, loop=loop, eager_start=True)  # type: ignore[call-arg]
-    return loop.create_task(coro)

@@ -63,36 +63,3 @@ async def test_its_own_error_is_raised() -> None:
     await asyncio.sleep(0)
     with pytest.raises(ValueError, match="boom"):
         await owned.close()
-
-
-async def test_start_now_runs_the_first_step_in_the_call_on_python_3_12_and_keeps_the_result():
-    """`start_now`: on Python 3.12+ the coroutine's first step (up to its first suspension) runs in
-    the call that starts it — a Redis call or an engine submit on a request's path is written
-    without waiting for a loop turn; on older Pythons it runs in the next turn, as a plain task's."""
-    from services.tasks import EAGER, start_now
-
-    steps: list[str] = []
-
-    async def work() -> int:
-        steps.append("first")
-        await asyncio.sleep(0)
-        steps.append("second")
-        return 7
-
-    task = start_now(work())
-    assert steps == (["first"] if EAGER else [])
-    assert await task == 7 and steps == ["first", "second"]
-
-    async def at_once() -> str:        # never suspends: a task that is done when it is returned (3.12+)
-        return "done"
-
-    task2 = start_now(at_once())
-    assert task2.done() is EAGER
-    assert await task2 == "done"
-
-    async def fails() -> None:
-        raise ValueError("boom")
-
-    task3 = start_now(fails())
-    with pytest.raises(ValueError, match="boom"):
-        await task3
