@@ -282,8 +282,8 @@ class Encoder:
         assert self.chat_cache is not None
         # Offsets are needed here (to find added tokens' positions), so not the _fast variant. One
         # plan (a lone chat, as the router's inline encodes are) is encoded on this thread: the batch
-        # call hands even one input to the library's thread pool and waits, 20-25% slower for a
-        # chat turn's suffix in every condition measured (docs/benchmarks.md, seventh session).
+        # call hands even one input to the library's thread pool and waits, 8-23% slower (medians)
+        # for a chat turn's suffix in every condition measured (docs/benchmarks.md, seventh session).
         tok = self.tokenizer.tokenizer
         batch = ([tok.encode(plans[0].suffix, add_special_tokens=False)] if len(plans) == 1
                  else tok.encode_batch([p.suffix for p in plans], add_special_tokens=False))

@@ -6,6 +6,8 @@
 #         (oldspin), this tree without it (newplain)
 #   tl    the first token's path step by step (docs/relay/2026-12-06f/cpu/timeline/, measurement only), this tree
 #         with --idle-spin-ms 1000, one chat-multiturn run
+#   tlab  the same, this tree (new) and .before/ (old) interleaved, ROUNDS, both with --idle-spin-ms 1000
+#   enc   docs/relay/2026-12-06g/cpu/enc_one.py on core 1 (Tokenizer.encode against encode_batch of one input)
 set -u
 SECTIONS=${SECTIONS:-ttft tl}
 on() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -28,4 +30,16 @@ if on tl; then
   el "tl"; grep -E '^(TTFT p(50|99)|server TTFT p50)' $W/ttft/tl_compare.txt | sed 's/  */ /g' | tr '\n' ';'; echo
   cat /tmp/tlm.* > $W/ttft/tl_marks.txt; python3 docs/relay/2026-12-06f/cpu/timeline/summ.py $W/ttft/tl_marks.txt | tee $W/ttft/tl_summ.txt
 fi
+tlrun() {  # $1 tag, $2 tree
+  cp docs/relay/2026-12-06f/cpu/timeline/sitecustomize.py /tmp/site/; rm -f /tmp/tlm.*
+  TR_TL=/tmp/tlm UP_ARGS="$SPIN" TREE=$2 OUT=$W/ttft TAG=$1 DUR=20 COMPARE=1 TRACED=0 timeout 80 bash bench/ttft_pinned.sh > /dev/null 2>&1
+  rm -f /tmp/site/sitecustomize.py
+  el "$1"; grep -E '^(TTFT p(50|99)|server TTFT p50)' $W/ttft/$1_compare.txt | sed 's/  */ /g' | tr '\n' ';'; echo
+  cat /tmp/tlm.* > $W/ttft/$1_marks.txt; python3 docs/relay/2026-12-06f/cpu/timeline/summ.py $W/ttft/$1_marks.txt > $W/ttft/$1_summ.txt
+}
+on tlab && for r in $(seq ${ROUNDS:-2}); do for v in new old; do
+  T=.; [ $v = old ] && T=.before
+  tlrun tl${v}$r $T; cut -c1-58 $W/ttft/tl${v}${r}_summ.txt
+done; done
+on enc && for m in "spin 0.02" "sleep 0.02" "spin 0"; do taskset -c 1 python3 docs/relay/2026-12-06g/cpu/enc_one.py $m 2>&1 | grep -v tokenizer_loaded; done
 tar czf $OUT/run-$(echo $SECTIONS | tr ' ' '-').tgz -C $W .
