@@ -8,6 +8,8 @@
 #         with --idle-spin-ms 1000, one chat-multiturn run
 #   tlab  the same, this tree (new) and .before/ (old) interleaved, ROUNDS, both with --idle-spin-ms 1000
 #   enc   docs/relay/2026-12-06g/cpu/enc_one.py on core 1 (Tokenizer.encode against encode_batch of one input)
+#   parts docs/relay/2026-12-06g/cpu/chat_encode_parts.py and encoder_tokenize.py on core 1 (the chat encode
+#         back to back, after spinning and after sleeping)
 set -u
 SECTIONS=${SECTIONS:-ttft tl}
 on() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -42,4 +44,6 @@ on tlab && for r in $(seq ${ROUNDS:-2}); do for v in new old; do
   tlrun tl${v}$r $T; cut -c1-58 $W/ttft/tl${v}${r}_summ.txt
 done; done
 on enc && for m in "spin 0.02" "sleep 0.02" "spin 0"; do taskset -c 1 python3 docs/relay/2026-12-06g/cpu/enc_one.py $m 2>&1 | grep -v tokenizer_loaded; done
+on parts && { for g in 0 0.05; do taskset -c 1 python3 docs/relay/2026-12-06g/cpu/chat_encode_parts.py $g; done
+  for m in "spin 0" "spin 0.02" "sleep 0.02" "sleep 0.15"; do taskset -c 1 python3 docs/relay/2026-12-06g/cpu/encoder_tokenize.py $m; done; } 2>&1 | grep -v tokenizer_loaded | tee $W/parts.txt
 tar czf $OUT/run-$(echo $SECTIONS | tr ' ' '-').tgz -C $W .
