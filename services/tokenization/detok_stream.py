@@ -220,9 +220,8 @@ class DetokStream:
             return out if out is not None else ""
         if not req.consumed:
             req.span.add_event("first_tokens")
-        req.consumed += 1
         try:
-            return req.decoder.step(token_id)
+            text = req.decoder.step(token_id)
         except Exception:  # isolate one request's failure, as `_tokens` does
             log.exception("detokenize_failed", request_id=request_id)
             with self._lock:
@@ -230,7 +229,10 @@ class DetokStream:
                     del self._requests[request_id]
                     self._remember_finished(request_id)
             req.end("error", Reason.INTERNAL)
+            # The ids applied before this one, as the batch path's error counts them (`_advance`).
             return Output(request_id, finished=True, tokens_consumed=req.consumed, error=Reason.INTERNAL)
+        req.consumed += 1
+        return text
 
     @staticmethod
     def count(tokens: int) -> None:
@@ -406,8 +408,8 @@ def _advance(rid: str, req: DetokRequest, ids: Sequence[int], final: bool) -> Ou
         return Output(rid, text, finished=final, tokens_consumed=req.consumed)
     parts: list[str] = []
     for token_id in ids:
-        req.consumed += 1
         delta = decoder.step(token_id)
+        req.consumed += 1     # after the step: an id whose decode failed is not counted (all paths alike)
         if delta:
             result = stops.feed(delta)
             parts.append(result.text)

@@ -118,18 +118,36 @@ async def test_one_id_at_a_time_gives_the_batch_paths_text_counts_and_ends(local
 
 
 async def test_a_decoder_failure_on_the_one_id_path_ends_only_that_request_as_internal(local, monkeypatch):
+    """...and reports the ids applied before the failing one, as the batch path does (the one-id path
+    counted the failing id too: one more than the batch path for the same failure)."""
     from services.tokenization.detokenizer import IncrementalDecoder
     other = local.detokenizer("other")
     other.start([], False, [], {})
     s = local.detokenizer("fails")
     s.start([], False, [], {})
-    s.send(_ids(local, "a"), final=False)
-    def broken(self, token_id):
+    batch = local.detokenizer("fails-batch")       # a stop string: the batch path, id by id
+    batch.start(["zzz"], False, [], {})
+    many = local.detokenizer("fails-many")         # no stop string, several ids at once: the batch path's extend
+    many.start([], False, [], {})
+    assert s._plain is not None and batch._plain is None
+    for session in (s, batch, many):
+        session.send(_ids(local, "a"), final=False)
+    def broken(self, *args):
         raise RuntimeError("decoder bug")
     monkeypatch.setattr(IncrementalDecoder, "step", broken)
-    s.send(_ids(local, "b"), final=False)
+    monkeypatch.setattr(IncrementalDecoder, "extend", broken)
+    for session in (s, batch):
+        session.send(_ids(local, "b"), final=False)
+    many.send(_ids(local, "bc"), final=False)
     outs = await s.next_ready()
-    assert outs[-1].error == Reason.INTERNAL and outs[-1].finished and outs[-1].tokens_consumed == 2
+    batch_outs = await batch.next_ready()
+    many_outs = await many.next_ready()
+    assert many_outs[-1].error == Reason.INTERNAL and many_outs[-1].tokens_consumed == 1
+    many.close(flushed=True)
+    assert outs[-1].error == Reason.INTERNAL and outs[-1].finished
+    assert batch_outs[-1].error == Reason.INTERNAL and batch_outs[-1].finished
+    assert outs[-1].tokens_consumed == batch_outs[-1].tokens_consumed == len(_ids(local, "a")) == 1
+    batch.close(flushed=True)
     s.send(_ids(local, "c"), final=True)      # ids already on their way: dropped, no second error
     assert s._inbox.qsize() == 0
     s.close(flushed=True)
