@@ -133,14 +133,20 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def _records(tr: trace.Tracer, context: otel_context.Context | None) -> bool:
-    """Would `tr` record a child of `context` (None: the current one)? With this module's sampler
-    (`configure_tracing`'s provider), only while this process exports spans or under a sampled parent
-    (one from another process); a tracer of any other provider (tests') is asked as it always was."""
+def _parent_decides(tr: trace.Tracer) -> bool:
+    """Does only a sampled parent make `tr` record a span? True with this module's sampler
+    (`configure_tracing`'s provider) while this process exports nothing; a tracer of any other
+    provider (tests') is asked as it always was (False)."""
     if _exporting:
-        return True
+        return False
     real = getattr(tr, "_tracer", tr)      # a ProxyTracer (`tracer()` before the provider was set) resolves
-    if not isinstance(getattr(real, "sampler", None), _ExportingSampler):
+    return isinstance(getattr(real, "sampler", None), _ExportingSampler)
+
+
+def _records(tr: trace.Tracer, context: otel_context.Context | None) -> bool:
+    """Would `tr` record a child of `context` (None: the current one)? With this module's sampler,
+    only while this process exports spans or under a sampled parent (one from another process)."""
+    if not _parent_decides(tr):
         return True
     return bool(trace.get_current_span(context).get_span_context().trace_flags.sampled)
 
@@ -214,15 +220,13 @@ def recorded_parent(tr: trace.Tracer, carrier: Mapping[str, str]) -> otel_contex
     per request)."""
     if not carrier:
         return None
-    if not _exporting:
-        real = getattr(tr, "_tracer", tr)
-        if isinstance(getattr(real, "sampler", None), _ExportingSampler):
-            try:
-                sampled = int(carrier.get("traceparent", "")[-2:], 16) & 1
-            except ValueError:
-                sampled = 0
-            if not sampled:
-                return _NO_PARENT
+    if _parent_decides(tr):
+        try:
+            sampled = int(carrier.get("traceparent", "")[-2:], 16) & 1
+        except ValueError:
+            sampled = 0
+        if not sampled:
+            return _NO_PARENT
     return extract(carrier)
 
 
