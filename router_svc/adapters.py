@@ -104,7 +104,8 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
                  engine_attempts: int = 2, progress_timeout: float = 10.0, bounds: Any = None,
                  registry: Any = None, affinity: Any = None, gate: Any = None, placement: Any = None,
                  default_max_queued: int = 256, engine_migrations: int = 2, pools: Any = None,
-                 shadow: Any = None, admit_while_tokenizing: bool = True, detokenize: Any = None) -> Any:
+                 shadow: Any = None, admit_while_tokenizing: bool = True, detokenize: Any = None,
+                 chat_prefetch_max_in_flight: int = 32) -> Any:
     """A `pipeline.Router` over the concrete upstreams (`TokenizerUpstream`, `EnginePool`) and the
     admission queue (`admission.Admission`, a `ports.Admission` itself); registry / affinity /
     gate / placement default to the in-process ones; `detokenize` (a `ports.Detokenize`, e.g.
@@ -123,4 +124,5 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
                   placement or LeastLoaded(), affinity or LocalSessionAffinity(),
                   registry or LocalRequestRegistry(), gate or NoGate(), pools, shadow)
     return Router(ports, RouterOptions(request_timeout, engine_attempts, progress_timeout, bounds or DEFAULT_BOUNDS,
-                                       default_max_queued, engine_migrations, admit_while_tokenizing))
+                                       default_max_queued, engine_migrations, admit_while_tokenizing,
+                                       chat_prefetch_max_in_flight))

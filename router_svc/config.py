@@ -59,6 +59,11 @@ class UpstreamSettings(Section):
                                          "tokenizer service (0 = all there; router_svc/local_tokenize.py)")
     tokenizer_chat_template: str = Field("", max_length=4096, description="with --tokenize-local-bytes: the "
                                          "--chat-template override the tokenizer service runs with, if any")
+    chat_prefetch_max_in_flight: int = Field(
+        32, ge=0, le=1_000_000, description="with --tokenize-local-bytes: once a chat turn's reply is done, "
+                                            "tokenize its conversation with that reply ahead of the next turn, "
+                                            "which then encodes only its new message, while this router has at "
+                                            "most this many requests in flight (0 = never)")
 
     @model_validator(mode="after")
     def _local_detokenize(self) -> UpstreamSettings:

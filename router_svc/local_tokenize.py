@@ -19,14 +19,19 @@ would be fed other ids than the tokenizer service would have given it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
-from services.errors import Reason
+from services.errors import Reason, TokenrelayError
+from services.logging import get_logger
 from services.tokenization.chat_template import ChatTemplate, resolve_template
 from services.tokenization.encoder import ChatInput, Encoder, EncoderLimits, TextInput
 from services.tokenization.loader import LoadedTokenizer
 
 from .local_detok import PROBE
+from .metrics import CHAT_PREFETCH
+
+log = get_logger(__name__)
 
 # Chat sessions' token prefixes kept for incremental tokenization (ids as uint32 plus their text:
 # ~8 bytes per token, ~16 MB at most; the tokenizer service keeps 20M tokens by default).
@@ -114,6 +119,26 @@ class LocalTokenize:
         except TimeoutError:
             raise Reason.TOKENIZE_TIMEOUT.error("tokenization did not finish in time") from None
         return list(ids)
+
+    async def prefetch(self, *, messages: list[tuple[str, str]], cache_key: str,
+                       allow_special_tokens: bool = False) -> bool:
+        """A finished chat turn's conversation, its reply last, tokenized now (no generation prompt)
+        under `cache_key`, so that the prefix cache holds it when the next turn comes: that turn then
+        encodes only the text past the reply (`router_svc/pipeline.py`, `Router._prefetch`). Whether
+        it ran: a conversation this process would not tokenize (too long, no chat template here) or
+        without a key is left alone, and an encoder refusal is counted, never raised."""
+        item = self._here(None, messages, cache_key, allow_special_tokens) if cache_key else None
+        if not isinstance(item, ChatInput):
+            CHAT_PREFETCH.labels("not_here").inc()
+            return False
+        try:
+            await self.encoder.tokenize([dataclasses.replace(item, add_generation_prompt=False)])
+        except TokenrelayError as exc:
+            CHAT_PREFETCH.labels("failed").inc()
+            log.debug("chat_prefetch_failed", reason=exc.reason, message=exc.message)
+            return False
+        CHAT_PREFETCH.labels("done").inc()
+        return True
 
     async def check(self, text_ids: list[int]) -> str:
         """Why this process's tokenizer is not the tokenizer service's ("" when the probes agree);

@@ -88,6 +88,9 @@ class RouterOptions:
     default_max_queued: int = 256     # a tenant's max_queued when its entry sets none
     engine_migrations: int = 2        # moves to another replica after the first token
     admit_while_tokenizing: bool = True   # admission on an estimated prompt, alongside Tokenize
+    # A finished chat turn's conversation, its reply included, tokenized ahead of the next turn while
+    # this router has at most this many requests in flight (0 = never; `Router._prefetch`).
+    chat_prefetch_max_in_flight: int = 32
 
 
 @dataclass
@@ -121,6 +124,7 @@ class Router:
                                  o.progress_timeout, o.engine_migrations, ports.pools, ports.shadow)
         self._live: dict[tuple[str, str], RequestState] = {}
         self._unclaiming: set[asyncio.Future[None]] = set()     # claims given back after a refusal
+        self._prefetching: set[asyncio.Future[Any]] = set()      # chats tokenized ahead (`_prefetch`)
         self.estimate = PromptEstimate()
 
     @property
@@ -288,6 +292,7 @@ class Router:
         # may reuse the id, or send its next request within its tenant's limit, at once.
         if done is not None:
             yield done
+            self._prefetch(tenant, state, done)
 
     async def _claimed(self, tenant: Tenant, state: RequestState, tokenizing: asyncio.Future[None],
                        early: asyncio.Future[Admitting] | None, claiming: asyncio.Future[bool] | None) -> bool:
@@ -313,6 +318,32 @@ class Router:
         except asyncio.CancelledError:
             claiming.cancel()
             raise
+
+    def _keeps_reply(self, inp: GenerateInput) -> bool:
+        """Whether this request's reply is kept for `_prefetch`: a chat, a tokenizer port that can
+        tokenize ahead, and prefetching on."""
+        return (inp.messages is not None and self.options.chat_prefetch_max_in_flight > 0
+                and hasattr(self.ports.tokenizer, "prefetch"))
+
+    def _prefetch(self, tenant: Tenant, state: RequestState, done: Done) -> None:
+        """After a chat turn's `done` is written: its conversation with the reply the client got,
+        tokenized now under the key its next turn will use, so that the next turn encodes only what
+        it adds (its new message) instead of the reply and the message, on its first token's path.
+        The tokenizer's prefix cache decides what is reused by comparing texts, so a next turn that
+        differs (an edited reply, a regenerated turn, no next turn) gets exact ids all the same; this
+        costs an encode of the reply now instead of later, or in vain when no turn follows. Not while
+        this router has more than `chat_prefetch_max_in_flight` requests in flight."""
+        inp = state.inp
+        if (state.reply is None or inp.messages is None or done.finish_reason not in ("stop", "length")
+                or len(self._live) >= self.options.chat_prefetch_max_in_flight):
+            return
+        messages = [*inp.messages, ("assistant", "".join(state.reply))]
+        task = asyncio.ensure_future(self.ports.tokenizer.prefetch(  # type: ignore[attr-defined]
+            messages=messages, cache_key=tokenize_cache_key(tenant.name, inp.session_id, messages),
+            allow_special_tokens=tenant.allow_control_tokens))
+        self._prefetching.add(task)
+        task.add_done_callback(self._prefetching.discard)
+        task.add_done_callback(retrieve)
 
     def _unclaim(self, tenant: str, request_id: str, claiming: asyncio.Future[bool]) -> None:
         """A claim that landed after its request was refused: given back."""
@@ -477,8 +508,11 @@ class Router:
                     await asyncio.sleep(0)
                 yield accepted
             final: Merged | None = None
+            reply = state.reply = [] if self._keeps_reply(state.inp) else None
             async for item in deltas(state, detok, metrics):
                 if isinstance(item, (Delta, Migrated)):
+                    if reply is not None and type(item) is Delta:
+                        reply.append(item.text)
                     yield item
                 else:
                     final = item

@@ -52,6 +52,9 @@ class RequestState:
     # The id on the engine and detokenizer streams: unique per request, so two tenants' (or two
     # routers') identical client ids never meet upstream.
     upstream_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The texts of its client deltas, kept when its chat will be tokenized ahead of its next turn
+    # (`Router._prefetch`); None otherwise.
+    reply: list[str] | None = field(default=None, repr=False)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -94,11 +94,22 @@ async def test_short_prompts_tokenized_in_the_router_get_the_tokenizer_services_
                 local_chats += sum(len(r.encode()) + len(c.encode()) for r, c in history) <= 200
                 history.append(("assistant", want.text))
     assert 0 < local_chats < len(turns)   # the conversation outgrew the bound: both paths ran
+    # Each finished turn's conversation with its reply was tokenized ahead of the next turn (which
+    # still got the service's ids above) where it was within the bound, and left alone past it.
+
+    def prefetched() -> dict[str, float]:
+        return {dict(labels)["outcome"]: v for (metric, labels), v in scrape(p.metrics["both"]).items()
+                if metric == "tokenrelay_router_chat_prefetch_total"}
+
+    outcomes = await poll(lambda: sum(prefetched().values()) == len(turns) and prefetched(), what="prefetches")
+    assert outcomes.get("done", 0) >= 1 and outcomes.get("failed", 0) == 0
+    assert not any(metric == "tokenrelay_router_chat_prefetch_total" and v
+                   for (metric, _), v in scrape(p.metrics["remote"]).items())   # nothing to tokenize ahead with
     # Encoded in the router: the two start probes, the short texts (all but the 300-byte one), the
-    # chats within the bound; the rest went to the tokenizer service.
+    # chats within the bound, the prefetches; the rest went to the tokenizer service.
     tokenized = sum(v for (metric, labels), v in scrape(p.metrics["both"]).items()
                     if metric == "tokenrelay_tokenizer_tokenize_inputs_total")
-    assert tokenized == 2 + len(PROMPTS) + local_chats
+    assert tokenized == 2 + len(PROMPTS) + local_chats + outcomes["done"]
 
 
 async def test_a_request_that_ends_early_leaves_no_state_in_the_router(routers):
