@@ -125,20 +125,21 @@ class LocalTokenize:
         """A finished chat turn's conversation, its reply last, tokenized now (no generation prompt)
         under `cache_key`, so that the prefix cache holds it when the next turn comes: that turn then
         encodes only the text past the reply (`router_svc/pipeline.py`, `Router._prefetch`). Whether
-        it ran: a conversation this process would not tokenize (too long, no chat template here) or
-        without a key is left alone, and an encoder refusal is counted, never raised."""
+        it ran: only on an idle encoder, here and now (`tokenize_now`), so a request's own encode never
+        waits behind a prefetch; a conversation this process would not tokenize (too long, no chat
+        template here) or without a key is left alone, and an encoder refusal is counted, never raised."""
         item = self._here(None, messages, cache_key, allow_special_tokens) if cache_key else None
         if not isinstance(item, ChatInput):
             CHAT_PREFETCH.labels("not_here").inc()
             return False
         try:
-            await self.encoder.tokenize([dataclasses.replace(item, add_generation_prompt=False)])
+            ran = self.encoder.tokenize_now([dataclasses.replace(item, add_generation_prompt=False)])
         except TokenrelayError as exc:
             CHAT_PREFETCH.labels("failed").inc()
             log.debug("chat_prefetch_failed", reason=exc.reason, message=exc.message)
             return False
-        CHAT_PREFETCH.labels("done").inc()
-        return True
+        CHAT_PREFETCH.labels("busy" if ran is None else "done").inc()
+        return ran is not None
 
     async def check(self, text_ids: list[int]) -> str:
         """Why this process's tokenizer is not the tokenizer service's ("" when the probes agree);

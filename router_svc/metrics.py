@@ -184,9 +184,9 @@ LOOP_LAG_MAX = Gauge("tokenrelay_router_loop_lag_max_seconds", "Largest event-lo
 PROCESS_IN_FLIGHT = Gauge("tokenrelay_router_process_in_flight",
                           "Generate calls and chat turns this router process serves (--max-requests-in-flight)")
 CHAT_PREFETCH = Counter("tokenrelay_router_chat_prefetch_total", "Finished chat turns tokenized ahead of their "
-                        "next turn in this process, by outcome (done; failed: the encoder refused it, e.g. too "
-                        "long; not_here: a conversation this process does not tokenize). Their tokens also count "
-                        "in this process's tokenizer metrics", ["outcome"])
+                        "next turn in this process, by outcome (done; busy: its encoder was not idle, skipped; failed: "
+                        "the encoder refused it, e.g. too long; not_here: a conversation this process does not "
+                        "tokenize). Their tokens also count in this process's tokenizer metrics", ["outcome"])
 REFUSED = Counter("tokenrelay_router_refused_total", "Calls refused with ROUTER_OVERLOADED, by cause "
                   "(in_flight, loop_lag, accept_wait)", ["cause"])
 ACCEPT_WAIT = Histogram("tokenrelay_router_accept_wait_seconds", "Round trip of a health Check this router sends "

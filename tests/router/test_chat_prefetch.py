@@ -106,10 +106,15 @@ async def test_the_next_turn_encodes_only_its_message_and_its_ids_stay_exact(loc
                 assert cache.reused_tokens - reused == len(first) + len(reply)
             else:   # an edited reply: reused up to the reply's header (its <|im_start|>), as without the prefetch
                 assert cache.reused_tokens - reused == len(first) - 1 - len("assistant\n")   # 1: <|im_start|>'s id
-        # Nothing to do without a key, or for a chat this process does not tokenize (too long here).
+        # Nothing to do without a key, or for a chat this process does not tokenize (too long here),
+        # or while its encoder is not idle (a request's own encode never waits behind a prefetch).
         assert not await lt.prefetch(messages=turn2, cache_key="")
         small = LocalTokenize(service, tok, template_of(tok, ""), 16)
         assert not await small.prefetch(messages=turn2, cache_key="t/s")
+        stored = len(cache)
+        lt.encoder.tokenize_now = lambda items: None     # type: ignore[method-assign]   # as when busy
+        assert not await lt.prefetch(messages=turn2, cache_key="t/other")
+        assert len(cache) == stored
     finally:
         await lt.close()
         await whole_lt.close()
