@@ -63,7 +63,7 @@ class UpstreamSettings(Section):
         32, ge=0, le=1_000_000, description="with --tokenize-local-bytes: once a chat turn's reply is done, "
                                             "tokenize its conversation with that reply ahead of the next turn, "
                                             "which then encodes only its new message, while this router has at "
-                                            "most this many requests in flight (0 = never)")
+                                            "most this many requests in flight, that turn included (0 = never)")
 
     @model_validator(mode="after")
     def _local_detokenize(self) -> UpstreamSettings:

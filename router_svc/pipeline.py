@@ -332,7 +332,8 @@ class Router:
         The tokenizer's prefix cache decides what is reused by comparing texts, so a next turn that
         differs (an edited reply, a regenerated turn, no next turn) gets exact ids all the same; this
         costs an encode of the reply now instead of later, or in vain when no turn follows. Not while
-        this router has more than `chat_prefetch_max_in_flight` requests in flight."""
+        this router has more than `chat_prefetch_max_in_flight` requests in flight, this one included
+        (it has left `_live` by now)."""
         inp = state.inp
         if (state.reply is None or inp.messages is None or done.finish_reason not in ("stop", "length")
                 or len(self._live) >= self.options.chat_prefetch_max_in_flight):
