@@ -14,17 +14,7 @@ for r in $(seq $ROUNDS); do for v in lean full; do
   $PY -m tokenrelay_tools.cli.main bench --workload chat-multiturn --compare --state-file $d/state.json --duration 20 --slo-ttft 0.5 --slo-itl 0.05 > $d/bench.txt 2>&1
   kill $($PY -c "import json;print(json.load(open('$d/state.json'))['pid'])") 2>/dev/null; wait
   if [ $v = lean ]; then
-    $PY - $d/lean.* > $d/steps.txt <<'PYEOF'
-import re, sys
-rows = [{k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", line)} for p in sys.argv[1:] for line in open(p)]
-def q(xs, p): xs = sorted(xs); return xs[min(len(xs) - 1, int(p * len(xs)))]
-print(f"{len(rows)} requests")
-for name, a, b in (("call arrived -> tokenized", None, "tok"), ("tokenized -> granted", "tok", "adm"),
-                   ("granted -> submit posted", "adm", "post"), ("call arrived -> submit posted", None, "post"),
-                   ("submit posted -> first delta", "post", "first")):
-    xs = [r[b] - (r[a] if a else 0.0) for r in rows]
-    print(f"{name:32s} p50 {q(xs, .5):7.3f}  p90 {q(xs, .9):7.3f}")
-PYEOF
+    $PY /work/main/docs/relay/2026-12-06h/cpu/lean/summ.py $d/lean.* > $d/steps.txt
   else $PY /work/main/docs/relay/2026-12-06f/cpu/timeline/summ.py $d/tl.* > $d/steps.txt; fi
   echo "== $v$r $(grep -E '^(TTFT p50|TTFT p99)' $d/bench.txt | sed 's/  */ /g' | tr '\n' ';') | arrival->submit $(grep 'call arrived -> submit' $d/steps.txt | awk '{print $(NF-2)}') | errors: $(grep -oE '[0-9]+ errors' $d/bench.txt | head -1)"
 done; done

@@ -38,5 +38,6 @@ if _ABL and any("router_svc" in a for a in sys.orig_argv):
         values.MutexValue.inc = lambda self, amount: None          # type: ignore[method-assign]
         values.MutexValue.set = lambda self, value, timestamp=None: None   # type: ignore[method-assign]
 
-_TL = pathlib.Path(__file__).resolve().parents[3] / "2026-12-06f" / "cpu" / "timeline" / "sitecustomize.py"
+_TL = pathlib.Path(os.environ.get("TR_TL_SITE") or pathlib.Path(__file__).resolve().parents[3] / "2026-12-06f"
+                   / "cpu" / "timeline" / "sitecustomize.py")   # TR_TL_SITE: where that file is when this one is copied
 exec(compile(_TL.read_text(), str(_TL), "exec"))
