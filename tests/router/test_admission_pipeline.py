@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from router_svc.admission import Admission
 from router_svc.types import Accepted, GenerateInput, Sampling
+from services.errors import Reason, TokenrelayError
 from tests.router.admission_kit import PoolView, admission, req
-from tests.router.core_fakes import TENANT, FakeReplica, core
+from tests.router.core_fakes import TENANT, Core, FakeReplica, core
 from tests.waiting import poll
 
 
@@ -58,17 +61,64 @@ async def test_a_client_gone_right_after_accepted_leaves_no_lease(redis_url) -> 
         assert not a.book.leases
 
 
+async def _burst(c: Core, view: PoolView, stall_at: str = "") -> list[object]:
+    """Eight requests at once on a pool of two slots (2 running, 6 queued), every client gone at
+    once after its first answer; nothing may stay held. `stall_at`: the prompt whose tokenization
+    holds the whole process 350 ms (a GC pass over a large heap, a descheduled process on a loaded
+    host). Each request's first answer, or its error."""
+    streams = [c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=8), prompt=f"p{i}")) for i in range(8)]
+    if stall_at:
+        tokenize = c.tokenizer.tokenize
+
+        async def stalling(**kw: Any) -> list[int]:
+            if kw.get("text") == stall_at:
+                time.sleep(0.35)  # noqa: ASYNC251 - the point: the whole process held
+            return await tokenize(**kw)
+        c.tokenizer.tokenize = stalling  # type: ignore[method-assign]
+    try:
+        first = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    finally:
+        if stall_at:
+            c.tokenizer.tokenize = tokenize  # type: ignore[method-assign]
+    for s in streams:
+        await s.aclose()
+    await poll(lambda: _empty(view), timeout=5, what="every lease and queue entry given back")
+    for answer in first:   # only the overload refusal of a process that was held (see below)
+        if isinstance(answer, BaseException) and not (
+                isinstance(answer, TokenrelayError) and answer.reason == Reason.ROUTER_OVERLOADED):
+            raise answer
+    return first
+
+
 async def test_cancelling_queued_requests_while_grants_land_leaks_nothing(redis_url) -> None:
+    # Twice in CI (2026-12-06) a burst here was partly refused with ROUTER_OVERLOADED ("admission
+    # calls wait 307 ms for their turn"): the test process had been held ~300 ms mid-burst, which
+    # the next test reproduces. Such a refusal is the router's answer to a held process, not a leak:
+    # leaks are checked either way, and most bursts must run as planned.
     async with _pool(redis_url, 2) as (a, view):
         c = core(FakeReplica("e1", ["hang"]), admission=a)
+        planned = 0
         for _ in range(5):
-            streams = [c.router.generate(TENANT, GenerateInput(Sampling(max_tokens=8), prompt=f"p{i}"))
-                       for i in range(8)]
-            tasks = [asyncio.ensure_future(anext(s)) for s in streams]
-            await asyncio.gather(*tasks)            # 2 running, 6 queued
-            for s in streams:                       # every client goes away at once
-                await s.aclose()
-            await poll(lambda: _empty(view), timeout=5, what="every lease and queue entry given back")
+            answers = await _burst(c, view)
+            planned += all(isinstance(x, Accepted) for x in answers)
+        assert not a.book.leases and not a.book.waiting
+        assert planned >= 3
+
+
+async def test_a_process_held_mid_burst_refuses_what_waited_and_leaks_nothing(redis_url) -> None:
+    # The process held 350 ms between two requests' admissions (a flush of the admission calls due
+    # meanwhile): the requests that arrive right after it are refused as ROUTER_OVERLOADED (their
+    # call has waited past the 250 ms backlog bound), typed and with a retry-after; nothing leaks.
+    async with _pool(redis_url, 2) as (a, view):
+        c = core(FakeReplica("e1", ["hang"]), admission=a)
+        for _ in range(2):         # the prompt estimate warm (16 prompts): admission alongside tokenization
+            await _burst(c, view)
+        answers = await _burst(c, view, stall_at="p5")
+        refused = [x for x in answers if isinstance(x, TokenrelayError)]
+        assert refused and all(x.retry_after and x.retry_after > 0 for x in refused)
+        assert isinstance(answers[0], Accepted)
+        answers = await _burst(c, view)           # the next burst is served as usual
+        assert all(isinstance(x, Accepted) for x in answers)
         assert not a.book.leases and not a.book.waiting
 
 
