@@ -120,7 +120,7 @@ class LocalTokenize:
             raise Reason.TOKENIZE_TIMEOUT.error("tokenization did not finish in time") from None
         return list(ids)
 
-    async def prefetch(self, *, messages: list[tuple[str, str]], cache_key: str,
+    def prefetch(self, *, messages: list[tuple[str, str]], cache_key: str,
                        allow_special_tokens: bool = False) -> bool:
         """A finished chat turn's conversation, its reply last, tokenized now (no generation prompt)
         under `cache_key`, so that the prefix cache holds it when the next turn comes: that turn then

@@ -124,7 +124,6 @@ class Router:
                                  o.progress_timeout, o.engine_migrations, ports.pools, ports.shadow)
         self._live: dict[tuple[str, str], RequestState] = {}
         self._unclaiming: set[asyncio.Future[None]] = set()     # claims given back after a refusal
-        self._prefetching: set[asyncio.Future[Any]] = set()      # chats tokenized ahead (`_prefetch`)
         self.estimate = PromptEstimate()
 
     @property
@@ -339,12 +338,11 @@ class Router:
                 or len(self._live) >= self.options.chat_prefetch_max_in_flight):
             return
         messages = [*inp.messages, ("assistant", "".join(state.reply))]
-        task = asyncio.ensure_future(self.ports.tokenizer.prefetch(  # type: ignore[attr-defined]
-            messages=messages, cache_key=tokenize_cache_key(tenant.name, inp.session_id, messages),
+        # In the next loop turn: the generator ends (and the call's status goes out) first.
+        asyncio.get_running_loop().call_soon(functools.partial(
+            self.ports.tokenizer.prefetch, messages=messages,  # type: ignore[attr-defined]
+            cache_key=tokenize_cache_key(tenant.name, inp.session_id, messages),
             allow_special_tokens=tenant.allow_control_tokens))
-        self._prefetching.add(task)
-        task.add_done_callback(self._prefetching.discard)
-        task.add_done_callback(retrieve)
 
     def _unclaim(self, tenant: str, request_id: str, claiming: asyncio.Future[bool]) -> None:
         """A claim that landed after its request was refused: given back."""

@@ -24,7 +24,7 @@ TURN1 = [("system", "You answer briefly."), ("user", "What is a KV cache?")]
 def _recording(c) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
 
-    async def prefetch(**kw: Any) -> bool:
+    def prefetch(**kw: Any) -> bool:
         calls.append(kw)
         return True
 
@@ -43,7 +43,7 @@ async def test_a_finished_chat_turn_is_tokenized_ahead_with_the_reply_the_client
     for session in ("", "s1"):
         reply, events = await _run(c, GenerateInput(Sampling(max_tokens=3), messages=TURN1, session_id=session))
         assert isinstance(events[-1], Done) and reply
-        await asyncio.sleep(0)                      # the prefetch is a task of its own, after the done
+        await asyncio.sleep(0)                      # the prefetch runs in the next loop turn, after the done
         messages = [*TURN1, ("assistant", reply)]
         assert calls[-1] == {"messages": messages, "allow_special_tokens": False,
                              "cache_key": tokenize_cache_key("t", session, [*messages, ("user", "Next?")])}
@@ -97,7 +97,7 @@ async def test_the_next_turn_encodes_only_its_message_and_its_ids_stay_exact(loc
         for nxt in (turn2, edited):
             key = tokenize_cache_key("t", "s", nxt)
             first = await lt.tokenize(messages=TURN1, cache_key=key)
-            assert await lt.prefetch(messages=[*TURN1, ("assistant", reply)], cache_key=key)
+            assert lt.prefetch(messages=[*TURN1, ("assistant", reply)], cache_key=key)
             reused = cache.reused_tokens
             ids = await lt.tokenize(messages=nxt, cache_key=key)
             assert ids == await whole_lt.tokenize(messages=nxt)            # exact either way
@@ -108,12 +108,12 @@ async def test_the_next_turn_encodes_only_its_message_and_its_ids_stay_exact(loc
                 assert cache.reused_tokens - reused == len(first) - 1 - len("assistant\n")   # 1: <|im_start|>'s id
         # Nothing to do without a key, or for a chat this process does not tokenize (too long here),
         # or while its encoder is not idle (a request's own encode never waits behind a prefetch).
-        assert not await lt.prefetch(messages=turn2, cache_key="")
+        assert not lt.prefetch(messages=turn2, cache_key="")
         small = LocalTokenize(service, tok, template_of(tok, ""), 16)
-        assert not await small.prefetch(messages=turn2, cache_key="t/s")
+        assert not small.prefetch(messages=turn2, cache_key="t/s")
         stored = len(cache)
         lt.encoder.tokenize_now = lambda items: None     # type: ignore[method-assign]   # as when busy
-        assert not await lt.prefetch(messages=turn2, cache_key="t/other")
+        assert not lt.prefetch(messages=turn2, cache_key="t/other")
         assert len(cache) == stored
     finally:
         await lt.close()
