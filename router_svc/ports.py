@@ -218,6 +218,10 @@ class Admission(Protocol):
         reason and a retry-after). Cancellation while admitting leaves nothing behind."""
         ...
 
+    # Optional: `likely_grant(request) -> bool`, no I/O: whether `request` will all but surely be
+    # granted at once, so that it may go to its engine before the answer (`--submit-before-grant`).
+    # An admission without it is always waited for.
+
 
 # --------------------------------------------------------------------------------- registry, sessions
 class RequestRegistry(Protocol):
