@@ -116,41 +116,43 @@ async def test_queued_it_is_stopped_at_the_engine_and_submitted_again_once_grant
         assert c.router._early_engines == 0
 
 
-async def test_refused_it_is_stopped_at_the_engine_and_the_refusal_is_the_answer(redis_url) -> None:
+@contextlib.asynccontextmanager
+async def _at_its_limit(redis_url: str) -> AsyncIterator[tuple[Core, PoolView]]:
+    """A router, warm, whose tenant LIMITED has its one slot taken at another router."""
     async with _two_routers(redis_url, 8) as (a, b, view):
         c = core(FakeReplica("e1", ["ok"] * 16 + ["hang"]), admission=a)
         await _warm(c)
-        stopped = _count("stopped")
-        held = await b.admit(req("lim", "theirs", max_in_flight=1, max_queued=0))   # its one slot, elsewhere
+        held = await b.admit(req("lim", "theirs", max_in_flight=1, max_queued=0))
         assert held.grant is not None
-        replica = c.engines.replicas["e1"]
-        before = len(replica.submitted)
-        try:
-            [e async for e in c.router.generate(LIMITED, GenerateInput(Sampling(max_tokens=3), prompt="hello"))]
-            raise AssertionError("not refused")
-        except TokenrelayError as exc:
-            assert exc.reason == Reason.TENANT_CONCURRENCY_LIMIT
-        assert len(replica.submitted) == before + 1      # it was sent before the answer...
-        assert replica.submitted[-1] in replica.aborted  # ...and stopped there
-        assert replica.in_flight == 0 and _count("stopped") == stopped + 1
+        yield c, view
         await held.grant.settle_tokens(1)
         await poll(lambda: _empty(view), timeout=5, what="every lease given back")
         assert c.router._early_engines == 0
 
 
+async def _refused(c: Core) -> str:
+    try:
+        [e async for e in c.router.generate(LIMITED, GenerateInput(Sampling(max_tokens=3), prompt="hello"))]
+    except TokenrelayError as exc:
+        return exc.reason
+    raise AssertionError("not refused")
+
+
+async def test_refused_it_is_stopped_at_the_engine_and_the_refusal_is_the_answer(redis_url) -> None:
+    async with _at_its_limit(redis_url) as (c, _):
+        stopped = _count("stopped")
+        replica = c.engines.replicas["e1"]
+        before = len(replica.submitted)
+        assert await _refused(c) == Reason.TENANT_CONCURRENCY_LIMIT
+        assert len(replica.submitted) == before + 1      # it was sent before the answer...
+        assert replica.submitted[-1] in replica.aborted  # ...and stopped there
+        assert replica.in_flight == 0 and _count("stopped") == stopped + 1
+
+
 async def test_not_sent_early_while_admission_has_recently_not_granted_at_once(redis_url) -> None:
     # After a queued or refused answer, two calm seconds must pass: a tenant at its limit costs its
     # engines one early submit, not one per request.
-    async with _two_routers(redis_url, 8) as (a, b, _):
-        c = core(FakeReplica("e1", ["ok"] * 16 + ["hang"]), admission=a)
-        await _warm(c)
-        held = await b.admit(req("lim", "theirs", max_in_flight=1, max_queued=0))
-        replica = c.engines.replicas["e1"]
+    async with _at_its_limit(redis_url) as (c, _):
         for _ in range(3):
-            try:
-                [e async for e in c.router.generate(LIMITED, GenerateInput(Sampling(max_tokens=3), prompt="hi"))]
-            except TokenrelayError:
-                pass
-        assert len(replica.aborted) == 1
-        assert held.grant is not None
-        await held.grant.settle_tokens(1)
+            assert await _refused(c) == Reason.TENANT_CONCURRENCY_LIMIT
+        assert len(c.engines.replicas["e1"].aborted) == 1
