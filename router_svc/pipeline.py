@@ -601,6 +601,7 @@ class Router:
                 self._admit_request(tenant, state, state.cost)):
             return
         state.may_start_early = False
+        state.placed_early = True
         try:
             state.early_engine = self._start_engine(state, rctx)
         except Exception as exc:  # noqa: BLE001 - the request's own path starts it after the grant

@@ -262,6 +262,10 @@ class SessionAffinity(Protocol):
 
     async def set(self, tenant: str, session_id: str, address: str) -> None: ...
 
+    # Optional: `known(tenant, session_id) -> str`, no I/O: the replica this process last saw for the
+    # session ("" if none). A request sent before its grant is placed on it when `get`'s answer is not
+    # in yet (`EngineStage._view`).
+
 
 # -------------------------------------------------------------------------------------------- overload
 class Ticket(Protocol):

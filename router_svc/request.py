@@ -61,11 +61,13 @@ class RequestState:
     # start may still happen (the window closes once admission and the id claim are answered).
     early_engine: Any = field(default=None, repr=False)
     may_start_early: bool = False
+    placed_early: bool = False            # its engine stage started before its grant
 
     def fresh_attempt(self) -> None:
         """Forget an engine stage that was stopped before its grant (submitted before it, then
         queued): the next start is a new request upstream, under a new id."""
         self.upstream_id = uuid.uuid4().hex
+        self.placed_early = False
         self.replica, self.pool, self.migration_reason = "", "", ""
         self.attempts.clear()
         self.generated.clear()

@@ -7,12 +7,14 @@ nothing leaks either way. Two admission clients on one pool stand for two router
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 from router_svc.admission import Admission
 from router_svc.metrics import SUBMIT_BEFORE_GRANT
+from router_svc.placement import LocalSessionAffinity
 from router_svc.tenants import Tenant
 from router_svc.types import Accepted, Delta, Done, GenerateInput, Sampling
 from services.errors import Reason, TokenrelayError
@@ -156,3 +158,42 @@ async def test_not_sent_early_while_admission_has_recently_not_granted_at_once(r
         for _ in range(3):
             assert await _refused(c) == Reason.TENANT_CONCURRENCY_LIMIT
         assert len(c.engines.replicas["e1"].aborted) == 1
+
+
+class _SlowLookup(LocalSessionAffinity):
+    """Session affinity whose lookup (a Redis round trip across routers) answers only when let."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def get(self, tenant: str, session_id: str) -> str:
+        await self.gate.wait()
+        return await super().get(tenant, session_id)
+
+
+async def test_a_session_this_router_knows_is_placed_early_without_waiting_for_its_lookup(redis_url) -> None:
+    # The session's replica is looked up when the request arrives and answered with admission's
+    # replies: an early start waiting for it would gain nothing. Known here (this process placed the
+    # session's last turn), it is placed there at once; sent after its grant, it waits as before.
+    for early in (4, 0):
+        async with _two_routers(redis_url, 8) as (a, _, _view):
+            c = core(FakeReplica("e1"), FakeReplica("e2"), admission=a, submit_before_grant=early)
+            await _warm(c)
+            lookup = _SlowLookup()
+            c.router.ports.affinity = c.router.stage.affinity = lookup
+            await lookup.set("t", "s1", "e2")
+            before = {r.address: len(r.submitted) for r in c.engines.replicas.values()}
+            run = asyncio.ensure_future(_drain(c.router.generate(
+                TENANT, GenerateInput(Sampling(max_tokens=3), prompt="hello", session_id="s1"))))
+            await asyncio.sleep(0.3)
+            assert run.done() == bool(early)
+            lookup.gate.set()
+            out = await run
+            assert isinstance(out[-1], Done)
+            after = {r.address: len(r.submitted) for r in c.engines.replicas.values()}
+            assert after == {"e1": before["e1"], "e2": before["e2"] + 1}    # on the session's replica
+
+
+async def _drain(stream: AsyncIterator[object]) -> list[object]:
+    return [e async for e in stream]
