@@ -48,10 +48,15 @@ on ttft && for r in $(seq ${ROUNDS:-3}); do
     bash bench/ttft_pinned.sh > /dev/null 2>&1
   el "ttft $r"; grep -E '^(TTFT p(50|99)|server TTFT p50)' $W/ttft/spin${r}_compare.txt | sed 's/  */ /g' | tr '\n' ';'; echo
 done
+# (sbg: the first token's path marked step by step, docs/relay/2026-12-06f/cpu/timeline/, in both arms; medians
+#  by docs/relay/2026-12-06i/cpu/marks.py)
 on sbg && for r in $(seq ${ROUNDS:-2}); do for v in on off; do
   A="--router-arg=--idle-spin-ms=1000"; [ $v = off ] && A="$A --router-arg=--submit-before-grant=0"
-  UP_ARGS="$A" OUT=$W/ttft TAG=sbg$v$r DUR=${DUR:-40} COMPARE=1 TRACED=0 timeout 150 bash bench/ttft_pinned.sh > /dev/null 2>&1
+  mkdir -p /tmp/site; cp docs/relay/2026-12-06f/cpu/timeline/sitecustomize.py /tmp/site/; rm -f /tmp/tlm.*
+  TR_TL=/tmp/tlm UP_ARGS="$A" OUT=$W/ttft TAG=sbg$v$r DUR=${DUR:-40} COMPARE=1 TRACED=0 timeout 150 \
+    bash bench/ttft_pinned.sh > /dev/null 2>&1
+  rm -f /tmp/site/sitecustomize.py; cat /tmp/tlm.* > $W/ttft/sbg$v${r}_marks.txt
   el "sbg $v $r"; grep -E '^(TTFT p(50|99)|server TTFT p50)' $W/ttft/sbg$v${r}_compare.txt | sed 's/  */ /g' | tr '\n' ';'; echo
-  curl -s 2>/dev/null; grep -h "submit_before_grant_total" /tmp/m1/run/*.prom 2>/dev/null | head -3
+  python3 docs/relay/2026-12-06i/cpu/marks.py $W/ttft/sbg$v${r}_marks.txt | sed 's|.*: ||'
 done; done
 tar czf $OUT/run-$(echo $SECTIONS | tr ' ' '-').tgz -C $W .
