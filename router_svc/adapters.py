@@ -105,7 +105,7 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
                  registry: Any = None, affinity: Any = None, gate: Any = None, placement: Any = None,
                  default_max_queued: int = 256, engine_migrations: int = 2, pools: Any = None,
                  shadow: Any = None, admit_while_tokenizing: bool = True, detokenize: Any = None,
-                 chat_prefetch_max_in_flight: int = 32, submit_before_grant: int = 4) -> Any:
+                 chat_prefetch_max_in_flight: int = 32) -> Any:
     """A `pipeline.Router` over the concrete upstreams (`TokenizerUpstream`, `EnginePool`) and the
     admission queue (`admission.Admission`, a `ports.Admission` itself); registry / affinity /
     gate / placement default to the in-process ones; `detokenize` (a `ports.Detokenize`, e.g.
@@ -125,4 +125,4 @@ def build_router(tokenizer: Any, engines: Any, admission: Any, *, request_timeou
                   registry or LocalRequestRegistry(), gate or NoGate(), pools, shadow)
     return Router(ports, RouterOptions(request_timeout, engine_attempts, progress_timeout, bounds or DEFAULT_BOUNDS,
                                        default_max_queued, engine_migrations, admit_while_tokenizing,
-                                       chat_prefetch_max_in_flight, submit_before_grant))
+                                       chat_prefetch_max_in_flight))

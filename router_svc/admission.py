@@ -61,8 +61,6 @@ T = TypeVar("T")
 # Longest wait of a hot-path call for its turn before new requests are refused (at most
 # op_timeout / 4): see `Admission.max_backlog`.
 _MAX_BACKLOG = 0.25
-# `likely_grant`: how long every ENQUEUE answer of this process must have been an immediate grant.
-_CALM = 2.0
 _OVERLOADED = Reason.ROUTER_OVERLOADED.value.lower()
 _RATE_LIMITED = Reason.TOKEN_RATE_LIMITED.value
 _QUEUE_FULL = Reason.TENANT_QUEUE_FULL.value
@@ -173,9 +171,6 @@ class Admission:
         self._outcomes: metrics.Kept[Any] = metrics.Kept(metrics.ADMISSION.labels)
         self._queue_times: metrics.Kept[Any] = metrics.Kept(metrics.ADMISSION_QUEUE.labels)
         self._seconds: metrics.Kept[Any] = metrics.Kept(metrics.REDIS_SECONDS.labels)
-        # When this process's last ENQUEUE answer that granted at once came, and its last one that
-        # did not (queued, refused, failed): `likely_grant`.
-        self._granted_at = self._not_granted_at = float("-inf")
 
     # --------------------------------------------------------------------------------- plumbing
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
@@ -193,21 +188,6 @@ class Admission:
     def outcome(self, tenant: str, cls: str, outcome: str) -> None:
         """Count one admission outcome (`metrics.ADMISSION`)."""
         self._outcomes.get(tenant, cls, outcome).inc()
-        if outcome == "granted":
-            self._granted_at = time.monotonic()
-        else:
-            self._not_granted_at = time.monotonic()
-
-    def likely_grant(self, req: AdmitRequest) -> bool:
-        """Whether `req` will all but surely be granted at once (the router then sends it to its
-        engine before the answer: `pipeline.Router._submit_before_grant`). No I/O, nothing counted:
-        every ENQUEUE answer of this process for the last `_CALM` seconds granted at once (none
-        queued, refused or failed) and the last one did, this process holds under half the pool's
-        slots, and its tenant's budget is not known to refuse it."""
-        if self._granted_at <= self._not_granted_at or time.monotonic() - self._not_granted_at < _CALM:
-            return False
-        cap = self.capacity_now()
-        return bool(cap) and 2 * len(self.book.leases) < (cap or 0) and self._known_refusal(req) is None
 
     def queue_time(self, tenant: str, cls: str, seconds: float) -> None:
         self._queue_times.get(tenant, cls).observe(seconds)
@@ -425,7 +405,6 @@ class Admission:
 
     def _fail_open(self, req: AdmitRequest, cls: str, exc: BaseException) -> Admitting:
         error = self._store_failure(exc, "enqueue")
-        self._not_granted_at = time.monotonic()
         if not self.settings.fail_open:
             raise error from exc
         metrics.ADMISSION_FAIL_OPEN.inc()

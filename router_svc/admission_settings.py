@@ -77,14 +77,6 @@ class AdmissionSettings(Section):
                           "settle charges what was used): the two round trips overlap instead of adding up. A "
                           "refusal of the token budget on an estimate above the real count is asked again "
                           "with the real count")
-    submit_before_grant: int = Field(
-        4, ge=0, le=1024, description="with --admit-while-tokenizing: while this router's admission calls have "
-                                      "all been granted at once for the last 2 s and it holds under half the "
-                                      "pool's slots, send a request that is tokenized to its engine without "
-                                      "waiting for the grant (and its id claim); its output is held until both "
-                                      "are answered, and it is aborted at the engine if either says no (queued, "
-                                      "refused, a duplicate id). At most this many such requests are in flight "
-                                      "before their answer (0 = always wait for the grant; docs/admission.md)")
     max_queue_wait: float = Field(60.0, gt=0, le=3600, description="longest estimated wait (queue or token "
                                   "budget) a request is queued for; beyond it, or beyond its deadline, it is "
                                   "refused at once with a retry-after")

@@ -174,8 +174,7 @@ async def serve(settings: RouterSettings) -> None:
             default_max_queued=adm.default_max_queued, placement=placement,
             engine_migrations=settings.routing.engine_migrations, pools=pools.selector, shadow=pools.shadow,
             admit_while_tokenizing=adm.admit_while_tokenizing, detokenize=local_detok,
-            chat_prefetch_max_in_flight=upstreams.chat_prefetch_max_in_flight,
-            submit_before_grant=adm.submit_before_grant if adm.admit_while_tokenizing else 0)
+            chat_prefetch_max_in_flight=upstreams.chat_prefetch_max_in_flight)
         server = GrpcServer(settings.server.host, settings.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
                             security=settings.security, reuse_port=settings.cluster.reuse_port)
         add_to_server(InferenceServicer(router, tenants), server.server)

@@ -470,10 +470,6 @@ class RedisSessionAffinity:
             await self._local.set(tenant, session_id, address)
         return address
 
-    def known(self, tenant: str, session_id: str) -> str:
-        """The replica this process last read or set for the session (no I/O; "" if none)."""
-        return self._local.known(tenant, session_id)
-
     async def set(self, tenant: str, session_id: str, address: str) -> None:
         await self._local.set(tenant, session_id, address)
         fut = self._c.pipe.submit("SET", self._key(tenant, session_id), address, "PX", int(self.ttl * 1000))

@@ -154,13 +154,7 @@ class EngineStage:
         if not session:
             sticky = ""
         elif state.sticky is not None:    # asked for when the request arrived (pipeline.py)
-            # Sent before its grant, it does not wait for that answer when this process knows the
-            # session's replica (it placed or read the session's last turn): the answer comes with
-            # admission's, after which an early start would gain nothing (docs/admission.md).
-            known = getattr(self.affinity, "known", None)
-            early = "" if state.sticky.done() or not state.placed_early or known is None else known(
-                state.tenant, session)
-            sticky = early or await state.sticky
+            sticky = await state.sticky
         else:
             sticky = await self.affinity.get(state.tenant, session)
         if self.pools is not None and not state.pool:

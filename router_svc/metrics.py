@@ -187,11 +187,6 @@ CHAT_PREFETCH = Counter("tokenrelay_router_chat_prefetch_total", "Finished chat 
                         "next turn in this process, by outcome (done; busy: its encoder was not idle, skipped; failed: "
                         "the encoder refused it, e.g. too long; not_here: a conversation this process does not "
                         "tokenize). Their tokens also count in this process's tokenizer metrics", ["outcome"])
-SUBMIT_BEFORE_GRANT = Counter("tokenrelay_router_submit_before_grant_total", "Requests sent to their engine "
-                              "before admission answered (--submit-before-grant), by how that ended (used: "
-                              "granted at once; queued: stopped at the engine, submitted again once granted; "
-                              "stopped: refused, a duplicate id, cancelled or failed before the grant)",
-                              ["outcome"])
 REFUSED = Counter("tokenrelay_router_refused_total", "Calls refused with ROUTER_OVERLOADED, by cause "
                   "(in_flight, loop_lag, accept_wait)", ["cause"])
 ACCEPT_WAIT = Histogram("tokenrelay_router_accept_wait_seconds", "Round trip of a health Check this router sends "

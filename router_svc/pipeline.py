@@ -37,7 +37,7 @@ from services.tracing import child_span, detached_span, inject, tracer
 from .admission_steps import BUDGET_REFUSALS, abandon_early, end_admission, final_refusal
 from .cache_key import tokenize_cache_key
 from .engine_stage import EngineStage
-from .metrics import QUEUED, REFUSAL, SUBMIT_BEFORE_GRANT, RequestMetrics
+from .metrics import QUEUED, REFUSAL, RequestMetrics
 from .placement import LeastLoaded, LocalSessionAffinity
 from .ports import (
     Admission,
@@ -91,18 +91,6 @@ class RouterOptions:
     # A finished chat turn's conversation, its reply included, tokenized ahead of the next turn while
     # this router has at most this many requests in flight (0 = never; `Router._prefetch`).
     chat_prefetch_max_in_flight: int = 32
-    # Requests sent to their engine before admission answers, at most this many at a time, while
-    # admission says a grant is all but sure (`Router._submit_before_grant`; 0 = never).
-    submit_before_grant: int = 4
-
-
-@dataclass
-class Started:
-    """A request's engine stage once started: its detokenizer session, its deadline and cancel
-    (`Ending`) and the stage's task."""
-    detok: Any
-    ending: Ending
-    pump: asyncio.Task[None]
 
 
 @dataclass
@@ -137,7 +125,6 @@ class Router:
         self._live: dict[tuple[str, str], RequestState] = {}
         self._unclaiming: set[asyncio.Future[None]] = set()     # claims given back after a refusal
         self.estimate = PromptEstimate()
-        self._early_engines = 0          # engine stages started before their grant, not yet answered
 
     @property
     def in_flight(self) -> int:
@@ -207,9 +194,6 @@ class Router:
                 log.info("request_cancelled_by_client")
             raise
         finally:
-            if state.early_engine is not None:   # sent before a grant that never came (refused, failed, gone)
-                await self._stop_early(state, "stopped")
-            state.may_start_early = False
             metrics.flush()
             in_flight.dec()
             structlog.contextvars.unbind_contextvars("request_id", "tenant", "trace_id")
@@ -248,9 +232,6 @@ class Router:
             tokenizing.set_result(None)
         else:
             tokenizing = asyncio.ensure_future(self._tokenize(tenant, state, rctx))
-        if early is not None and not tokenizing.done() and self._may_submit_early():
-            state.may_start_early = True
-            tokenizing.add_done_callback(functools.partial(self._submit_before_grant, tenant, state, rctx))
         if inp.session_id:   # the session's replica, fetched meanwhile (placement reads it), after those
             state.sticky = asyncio.ensure_future(self.ports.affinity.get(tenant.name, inp.session_id))
             state.sticky.add_done_callback(retrieve)   # the request may end before placement reads it
@@ -276,14 +257,6 @@ class Router:
         try:
             registry.on_cancel(tenant.name, state.request_id, state.cancel)
             admitting = await self._tokenized_and_admitted(tenant, state, tokenizing, estimate, early, rctx)
-            state.may_start_early = False
-            if admitting.grant is None and state.early_engine is not None:
-                try:     # queued: off the engine until its grant (then submitted again, `_run`)
-                    await self._stop_early(state, "queued")
-                except BaseException:
-                    await end_admission(admitting, state)
-                    raise
-                state.fresh_attempt()
             # From here on the queue entry or the lease is given back on every path: the client may
             # go away at any yield, a grant may land while a cancel is on its way.
             try:
@@ -515,22 +488,22 @@ class Router:
                 yield accepted
             yield done_event(state, metrics, None)
             return
-        started, submitted = state.early_engine, state.early_engine is not None
-        if started is not None:      # sent before its grant, granted at once: taken over
-            state.early_engine = None
-            self._early_engines -= 1
-            SUBMIT_BEFORE_GRANT.labels("used").inc()
-        else:
-            started = self._start_engine(state, rctx)
-        detok = started.detok
-        self.ports.registry.on_cancel(state.tenant, state.request_id, started.ending.on_cancel)
+        meta = self.ports.tokenizer.meta
+        eos = list(meta.eos_token_ids) if meta else []
+        detok = self.ports.detokenize.detokenizer(state.upstream_id)
+        detok.start(state.inp.sampling.stop, state.inp.sampling.include_stop_str,
+                    state.prompt_ids[-_DETOK_CONTEXT:], inject(rctx))
+        ending = Ending(state, detok, self.ports.engines)
+        self.ports.registry.on_cancel(state.tenant, state.request_id, ending.on_cancel)
+        pump = asyncio.create_task(self.stage.run(state, detok, eos, rctx))
+        pump.add_done_callback(lambda _: stage_ended(state, detok))
         flushed = False
         try:
             if accepted is not None:
                 # Two loop turns first: the stage places the request and posts it to the engine (its
                 # first step), and the engine stream's sender writes it (the next); then the Accepted.
                 # Written first, the Accepted's send held the engine's submit back by ~0.3 ms at idle.
-                for _ in range(0 if submitted else _SUBMIT_TURNS):
+                for _ in range(_SUBMIT_TURNS):
                     await asyncio.sleep(0)
                 yield accepted
             final: Merged | None = None
@@ -545,74 +518,10 @@ class Router:
             flushed = not state.is_cancelled
             yield done_event(state, metrics, final)
         finally:
-            await self._stop_engine(state, started, flushed)
-
-    def _start_engine(self, state: RequestState, rctx: Context) -> Started:
-        """The request's detokenizer session, its deadline timer and its engine stage (a task: it
-        places the request and posts its submit in its first step)."""
-        meta = self.ports.tokenizer.meta
-        eos = list(meta.eos_token_ids) if meta else []
-        detok = self.ports.detokenize.detokenizer(state.upstream_id)
-        detok.start(state.inp.sampling.stop, state.inp.sampling.include_stop_str,
-                    state.prompt_ids[-_DETOK_CONTEXT:], inject(rctx))
-        ending = Ending(state, detok, self.ports.engines)
-        pump = asyncio.create_task(self.stage.run(state, detok, eos, rctx))
-        pump.add_done_callback(lambda _: stage_ended(state, detok))
-        return Started(detok, ending, pump)
-
-    async def _stop_engine(self, state: RequestState, started: Started, flushed: bool) -> None:
-        """The engine stage stopped, its work aborted at the engine unless done, its replica
-        released and its detokenizer session closed."""
-        started.ending.close()
-        await discard(started.pump)
-        if state.replica:
-            if not state.engine_done:
-                self.ports.engines.abort(state.replica, state.upstream_id)
-            self.ports.engines.release(state.replica, state.upstream_id)
-        started.detok.close(flushed=flushed)
-
-    # ------------------------------------------------------------------ submit before the grant
-    def _may_submit_early(self) -> bool:
-        """Whether a request may go to its engine before admission answers: on, under the bound of
-        such starts in flight, and an admission that can tell a likely grant. (A shadow of an early
-        stage that is stopped is cancelled with it, as for any primary that fails.)"""
-        return (self._early_engines < self.options.submit_before_grant
-                and hasattr(self.ports.admission, "likely_grant"))
-
-    def _submit_before_grant(self, tenant: Tenant, state: RequestState, rctx: Context,
-                             tokenizing: asyncio.Future[None]) -> None:
-        """Once its prompt is tokenized (a done-callback of the Tokenize), while the early
-        admission and the id claim are still on their way: the request's engine stage started now
-        when admission says a grant is all but sure (`likely_grant`) and the prompt passes its
-        length checks. Its output waits in the detokenizer session until `_run` takes the stage
-        over (granted at once); queued, it is stopped and submitted again once granted; refused, a
-        duplicate id, cancelled or gone, it is stopped (`_observed`). What it saves: the wait for
-        the two Redis answers and the steps between the grant and the submit (~0.4 ms at light
-        load on quiet cores, docs/benchmarks.md)."""
-        if (not state.may_start_early or state.is_cancelled or tokenizing.cancelled()
-                or tokenizing.exception() is not None or not self._may_submit_early()):
-            return
-        try:
-            check_lengths(state.prompt_ids, state.inp.sampling, tenant, self._max_context(), self.options.bounds)
-            state.check_deadline()
-        except TokenrelayError:
-            return     # the request's own path refuses it
-        if not self.ports.admission.likely_grant(  # type: ignore[attr-defined]
-                self._admit_request(tenant, state, state.cost)):
-            return
-        state.may_start_early = False
-        state.placed_early = True
-        try:
-            state.early_engine = self._start_engine(state, rctx)
-        except Exception as exc:  # noqa: BLE001 - the request's own path starts it after the grant
-            log.warning("submit_before_grant_failed", request_id=state.request_id, error=repr(exc))
-            return
-        self._early_engines += 1
-
-    async def _stop_early(self, state: RequestState, outcome: str) -> None:
-        """An engine stage started before a grant that did not come at once: stopped, aborted at
-        its engine."""
-        started, state.early_engine = state.early_engine, None
-        self._early_engines -= 1
-        SUBMIT_BEFORE_GRANT.labels(outcome).inc()
-        await self._stop_engine(state, started, flushed=False)
+            ending.close()
+            await discard(pump)
+            if state.replica:
+                if not state.engine_done:
+                    self.ports.engines.abort(state.replica, state.upstream_id)
+                self.ports.engines.release(state.replica, state.upstream_id)
+            detok.close(flushed=flushed)

@@ -295,9 +295,6 @@ class LocalSessionAffinity:
             self._map.move_to_end(key)
         return address
 
-    def known(self, tenant: str, session_id: str) -> str:
-        return self._map.get((tenant, session_id), "")
-
     async def set(self, tenant: str, session_id: str, address: str) -> None:
         key = (tenant, session_id)
         self._map[key] = address

@@ -218,10 +218,6 @@ class Admission(Protocol):
         reason and a retry-after). Cancellation while admitting leaves nothing behind."""
         ...
 
-    # Optional: `likely_grant(request) -> bool`, no I/O: whether `request` will all but surely be
-    # granted at once, so that it may go to its engine before the answer (`--submit-before-grant`).
-    # An admission without it is always waited for.
-
 
 # --------------------------------------------------------------------------------- registry, sessions
 class RequestRegistry(Protocol):
@@ -261,10 +257,6 @@ class SessionAffinity(Protocol):
     async def get(self, tenant: str, session_id: str) -> str: ...
 
     async def set(self, tenant: str, session_id: str, address: str) -> None: ...
-
-    # Optional: `known(tenant, session_id) -> str`, no I/O: the replica this process last saw for the
-    # session ("" if none). A request sent before its grant is placed on it when `get`'s answer is not
-    # in yet (`EngineStage._view`).
 
 
 # -------------------------------------------------------------------------------------------- overload

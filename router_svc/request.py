@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from services.errors import Reason, TokenrelayError
 
@@ -56,26 +55,6 @@ class RequestState:
     # The texts of its client deltas, kept when its chat will be tokenized ahead of its next turn
     # (`Router._prefetch`); None otherwise.
     reply: list[str] | None = field(default=None, repr=False)
-    # Its engine stage started before admission answered (`Router._submit_before_grant`: a
-    # `pipeline.Started`), until the request's path takes it over or stops it; and whether such a
-    # start may still happen (the window closes once admission and the id claim are answered).
-    early_engine: Any = field(default=None, repr=False)
-    may_start_early: bool = False
-    placed_early: bool = False            # its engine stage started before its grant
-
-    def fresh_attempt(self) -> None:
-        """Forget an engine stage that was stopped before its grant (submitted before it, then
-        queued): the next start is a new request upstream, under a new id."""
-        self.upstream_id = uuid.uuid4().hex
-        self.placed_early = False
-        self.replica, self.pool, self.migration_reason = "", "", ""
-        self.attempts.clear()
-        self.generated.clear()
-        self.migrations = self.migration_tokens = 0
-        self.last_error = self.error = None
-        self.engine_done = False
-        self.finish_reason = "length"
-        self.t_first = None
 
     @property
     def key(self) -> tuple[str, str]:

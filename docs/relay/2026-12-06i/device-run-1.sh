@@ -11,7 +11,8 @@
 #             OROUNDS
 #   ttft      chat-multiturn TTFT added by `tokenrelay up --engine sim` (bench/ttft_pinned.sh, --compare), the routers
 #             with --idle-spin-ms 1000, DUR seconds a run (40), ROUNDS
-#   sbg       the same, --submit-before-grant on (the default, 4) and off (0), interleaved, ROUNDS
+#   sbg       the same, --submit-before-grant on (the default, 4) and off (0), interleaved, ROUNDS (ran at 7d83550;
+#             the option was removed after that measurement, docs/benchmarks.md)
 set -u
 SECTIONS=${SECTIONS:-onetoken local g4 over}
 on() { [[ " $SECTIONS " == *" $1 "* ]]; }
