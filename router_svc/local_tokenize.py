@@ -121,7 +121,7 @@ class LocalTokenize:
         return list(ids)
 
     def prefetch(self, *, messages: list[tuple[str, str]], cache_key: str,
-                       allow_special_tokens: bool = False) -> bool:
+                 allow_special_tokens: bool = False) -> bool:
         """A finished chat turn's conversation, its reply last, tokenized now (no generation prompt)
         under `cache_key`, so that the prefix cache holds it when the next turn comes: that turn then
         encodes only the text past the reply (`router_svc/pipeline.py`, `Router._prefetch`). Whether
