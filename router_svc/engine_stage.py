@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from services.errors import Reason, TokenrelayError, in_band_error
 from services.logging import get_logger
@@ -62,6 +63,14 @@ _tracer = tracer("tokenrelay.router")
 _REPLICA_DOWN = frozenset({Reason.SHUTTING_DOWN, Reason.ENGINE_UNAVAILABLE})
 
 
+@dataclass
+class _First:
+    """A request's first attempt as `EngineStage.start` made it: placed and submitted."""
+    view: PlacementView
+    address: str
+    submitted: tuple[Span, ChunkSource]
+
+
 class _Retry(Exception):
     """This attempt failed in a way another replica may cure."""
 
@@ -90,11 +99,35 @@ class EngineStage:
         self._routed = {hit: ROUTED.labels(self.policy_name, "hit" if hit else "miss") for hit in (True, False)}
         self._route_seconds = ROUTE_SECONDS.labels(self.policy_name)
 
+    def start(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
+              trace_ctx: Context | None = None) -> asyncio.Task[None]:
+        """`run` as a task, its first placement and submit made now, in the caller's step, when
+        nothing is left to wait for (no session, or its replica's lookup answered): the engine has
+        the request before the loop turns and before the caller's own work after this (the
+        detokenizer session's start; the request's first tokens cannot come back before the loop
+        turns). A placement or submit that fails here fails in the task, as one made there does."""
+        first: _First | Exception | None = None
+        sticky = state.sticky
+        if not state.inp.session_id or (sticky is not None and sticky.done() and not sticky.cancelled()):
+            try:
+                view = self._view_now(state, sticky.result() if sticky is not None and state.inp.session_id else "")
+                address = self._place(state, view, trace_ctx)
+                first = _First(view, address, self._submit(state, address, eos, trace_ctx))
+            except Exception as exc:  # noqa: BLE001 - raised in the task, as if made there
+                first = exc
+        task = asyncio.create_task(self.run(state, detok, eos, trace_ctx, first))
+        shadow = self.shadow
+        if shadow is not None and state.attempts:
+            # Placed here: a task cancelled before its first step never runs `run`'s `finally`.
+            task.add_done_callback(lambda _: shadow.finished(state))
+        return task
+
     async def run(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
-                  trace_ctx: Context | None = None) -> None:
-        """Engine → detokenizer until the engine finishes; any failure goes to `detok.fail`."""
+                  trace_ctx: Context | None = None, first: _First | Exception | None = None) -> None:
+        """Engine → detokenizer until the engine finishes; any failure goes to `detok.fail`.
+        `first`: the first attempt as `start` made it (or its failure)."""
         try:
-            await self._attempts(state, detok, eos, trace_ctx)
+            await self._attempts(state, detok, eos, trace_ctx, first)
         except TokenrelayError as exc:
             state.error = exc
             detok.fail(exc)
@@ -108,12 +141,18 @@ class EngineStage:
                 self.shadow.finished(state)
 
     async def _attempts(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
-                        trace_ctx: Context | None) -> None:
-        view = await self._view(state)
+                        trace_ctx: Context | None, first: _First | Exception | None) -> None:
+        if isinstance(first, Exception):
+            raise first
+        view = first.view if first is not None else await self._view(state)
         while True:
-            address = self._place(state, view, trace_ctx)
+            submitted = None
+            if first is not None:
+                address, submitted, first = first.address, first.submitted, None
+            else:
+                address = self._place(state, view, trace_ctx)
             try:
-                await self._attempt(state, address, detok, eos, trace_ctx)
+                await self._attempt(state, address, detok, eos, trace_ctx, submitted)
                 # The engine is done with it: the replica's count falls now, not once the client's
                 # `done` is written (the request's end releases again: a no-op). A conversation's next
                 # turn, here or at another router (placement_share), follows within milliseconds.
@@ -157,6 +196,10 @@ class EngineStage:
             sticky = await state.sticky
         else:
             sticky = await self.affinity.get(state.tenant, session)
+        return self._view_now(state, sticky)
+
+    def _view_now(self, state: RequestState, sticky: str) -> PlacementView:
+        session = state.inp.session_id
         if self.pools is not None and not state.pool:
             state.pool = self.pools.choose(state.tenant, session, state.request_id)
         return PlacementView(state.tenant, session, len(state.prompt_ids), sticky, state.pool,
@@ -190,18 +233,28 @@ class EngineStage:
             self.shadow.started(state)
         return address
 
-    async def _attempt(self, state: RequestState, address: str, detok: DetokSessionPort, eos: list[int],
-                       trace_ctx: Context | None) -> None:
+    def _submit(self, state: RequestState, address: str, eos: list[int],
+                trace_ctx: Context | None) -> tuple[Span, ChunkSource]:
+        """The attempt's submit to `address`: its prefill span and the engine's chunks."""
         phase = start_span(_tracer, "prefill", context=trace_ctx)
-        prefilling = True
-        watchdog = _Watchdog(self.progress_timeout, lambda: self.engines.heard(address))
         prompt, sampling = state.continuation()   # migrated: from everything already streamed
         state.engine_done = False     # a new attempt: its work is there to abort until it ends
+        try:
+            return phase, self.engines.submit(address, state.upstream_id, prompt, sampling, eos,
+                                              state.tenant, inject(trace.set_span_in_context(phase)),
+                                              timeout=state.remaining(), priority=state.priority)
+        except BaseException:
+            phase.end()
+            raise
+
+    async def _attempt(self, state: RequestState, address: str, detok: DetokSessionPort, eos: list[int],
+                       trace_ctx: Context | None, submitted: tuple[Span, ChunkSource] | None = None) -> None:
+        """One attempt on `address`, submitted here or already (`submitted`, by `start`)."""
+        phase, source = submitted if submitted is not None else self._submit(state, address, eos, trace_ctx)
+        prefilling = True
+        watchdog = _Watchdog(self.progress_timeout, lambda: self.engines.heard(address))
         sinkable = False
         try:
-            source = self.engines.submit(address, state.upstream_id, prompt, sampling, eos,
-                                         state.tenant, inject(trace.set_span_in_context(phase)),
-                                         timeout=state.remaining(), priority=state.priority)
             generated, send, loop = state.generated, detok.send, watchdog.loop
 
             def started(chunk: EngineChunk) -> None:
