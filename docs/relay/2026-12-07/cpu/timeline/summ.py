@@ -25,5 +25,6 @@ prev = None
 for name in order:
     xs = [r[name] for r in rows if name in r]
     step = [r[name] - r[prev] for r in rows if name in r and prev in r] if prev else xs
-    print(f"{name:6s} at p50 {q(xs, .5):7.3f} p90 {q(xs, .9):7.3f}   step from {prev or 'arrival':6s} p50 {q(step, .5):7.3f}")
+    print(f"{name:6s} at p50 {q(xs, .5):7.3f} p90 {q(xs, .9):7.3f}   "
+          f"step from {prev or 'arrival':6s} p50 {q(step, .5):7.3f}")
     prev = name
