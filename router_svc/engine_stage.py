@@ -1,8 +1,9 @@
 """The engine stage: one owner of a request's attempts on engine replicas.
 
-`EngineStage.run(state, detok, ...)` places the request (a `Placement` policy over the replicas'
+`EngineStage.start(state, detok, ...)` places the request (a `Placement` policy over the replicas'
 snapshots: an unhealthy, draining or not-serving replica gets no new work; the session's replica
-is preferred), submits it, and feeds the engine's tokens to the detokenizer. Before the first
+is preferred) and submits it, in its caller's step when nothing is left to wait for, then runs
+`run` as a task that feeds the engine's tokens to the detokenizer. Before the first
 token, a failure the registry marks retryable (stream broken, in-band OVERLOADED, SHUTTING_DOWN,
 ENGINE_UNAVAILABLE) or silence for `progress_timeout` seconds is retried on another replica, up
 to `attempts` replicas in all, and never reaches the client. After the first token a failure ends
