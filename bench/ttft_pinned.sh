@@ -5,7 +5,8 @@
 # On the lent GPU host (16 cores), from the repo root, with the service wheels carried in .whl/ and
 # redis-server (+ libs) in .r4dev/:  OUT=/some/dir TAG=after DUR=30 bash bench/ttft_pinned.sh
 # (TREE=dir runs the tree extracted there instead of this one; COMPARE=0 skips the --compare run, TRACED=0 the
-# traced one; the services' event loop follows TOKENRELAY_EVENT_LOOP, services/eventloop.py.)
+# traced one; the services' event loop follows TOKENRELAY_EVENT_LOOP, services/eventloop.py; BENCH_ARGS: more
+# `tokenrelay bench` options for both runs, e.g. "--chat-api chat".)
 set -u
 OUT=${OUT:?set OUT to a directory for the outputs}
 TOP=$PWD; cd ${TREE:-.}; ROOT=$PWD
@@ -24,13 +25,13 @@ up() {  # $1 dir, rest env
 if [ "${COMPARE:-1}" = 1 ]; then
   up /tmp/m1 X=1
   taskset -c 8-11 $TR bench --workload chat-multiturn --compare --state-file /tmp/m1/state.json --duration $DUR \
-    --slo-ttft 0.5 --slo-itl 0.05 > $OUT/${TAG}_compare.txt 2>&1
+    --slo-ttft 0.5 --slo-itl 0.05 ${BENCH_ARGS:-} > $OUT/${TAG}_compare.txt 2>&1
   kill %1; wait
 fi
 [ "${TRACED:-1}" = 1 ] || { tail -25 $OUT/${TAG}_compare.txt; exit 0; }
 up /tmp/m2 TOKENRELAY_TRACE_FILE=/tmp/m2/spans.jsonl
 : > /tmp/m2/spans.jsonl
-taskset -c 8-11 $TR bench --workload chat-multiturn --state-file /tmp/m2/state.json --duration $DUR > $OUT/${TAG}_traced.txt 2>&1
+taskset -c 8-11 $TR bench --workload chat-multiturn --state-file /tmp/m2/state.json --duration $DUR ${BENCH_ARGS:-} > $OUT/${TAG}_traced.txt 2>&1
 kill %1; wait
 python3 bench/ttft_breakdown.py /tmp/m2/spans.jsonl --json $OUT/${TAG}_breakdown.json > $OUT/${TAG}_breakdown.txt 2>&1
 tail -25 $OUT/${TAG}_compare.txt; cat $OUT/${TAG}_breakdown.txt

@@ -7,6 +7,8 @@
 #   ab     ROUNDS pairs (A = .treeA, B = this tree), DUR seconds a run (40), the routers with --idle-spin-ms 1000
 #   marks  one pair with the first token's path marked step by step (docs/relay/2026-12-07/cpu/timeline/)
 #   once   ONCE runs of this tree alone (issue 10's TTFT show as before)
+#   chat   ROUNDS pairs of this tree: the bench's chats as Generate calls (G, the documented client) and through
+#          the Chat API (C: one open call per conversation), interleaved (not run this session: no device time left)
 # Outputs in $OUT/o/.   e.g. SECTIONS="ab" ROUNDS=2 bash docs/relay/2026-12-07/device-run-1.sh
 set -u
 SECTIONS=${SECTIONS:-ab}
@@ -17,7 +19,7 @@ el() { echo "$1 $(( $(date +%s) - t0 )) s"; }
 nproc; grep -m1 "model name" /proc/cpuinfo; python3 -V
 mkdir -p $W/ttft
 res() { grep -E '^(TTFT p(50|99)|server TTFT p50)' $W/ttft/$1_compare.txt | sed 's/  */ /g' | tr '\n' ';'; echo; }
-one() {  # $1 tag, $2 tree
+one() {  # $1 tag, $2 tree (BENCH_ARGS passes through to bench/ttft_pinned.sh)
   UP_ARGS="--router-arg=--idle-spin-ms=1000" OUT=$W/ttft TAG=$1 TREE=$2 DUR=${DUR:-40} COMPARE=1 TRACED=0 \
     timeout 150 bash bench/ttft_pinned.sh > /dev/null 2>&1
   el "$1"; res $1
@@ -31,3 +33,4 @@ on marks && for v in A B; do
   python3 docs/relay/2026-12-07/cpu/timeline/summ.py $W/ttft/marks${v}_marks.txt
 done
 on once && for r in $(seq ${ONCE:-1}); do one once$r .; done
+on chat && for r in $(seq ${ROUNDS:-2}); do one G$r .; BENCH_ARGS="--chat-api chat" one C$r .; done
