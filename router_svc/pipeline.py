@@ -498,14 +498,16 @@ class Router:
         # The engine first: the stage places and submits the request now when it can (`start`), and
         # the detokenizer session starts after that, before the loop turns (no token can come back
         # sooner). Started first, the session's start held the submit back by ~0.1 ms on quiet cores.
+        # From here on the engine may have the request: every way out aborts and releases it.
         pump = self.stage.start(state, detok, eos, rctx)
-        detok.start(state.inp.sampling.stop, state.inp.sampling.include_stop_str,
-                    state.prompt_ids[-_DETOK_CONTEXT:], inject(rctx))
-        ending = Ending(state, detok, self.ports.engines)
-        self.ports.registry.on_cancel(state.tenant, state.request_id, ending.on_cancel)
-        pump.add_done_callback(lambda _: stage_ended(state, detok))
+        ending: Ending | None = None
         flushed = False
         try:
+            detok.start(state.inp.sampling.stop, state.inp.sampling.include_stop_str,
+                        state.prompt_ids[-_DETOK_CONTEXT:], inject(rctx))
+            ending = Ending(state, detok, self.ports.engines)
+            self.ports.registry.on_cancel(state.tenant, state.request_id, ending.on_cancel)
+            pump.add_done_callback(lambda _: stage_ended(state, detok))
             if accepted is not None:
                 # Loop turns first: the engine stream's sender writes the submit (the next turn; one
                 # more when the stage's task places it, `start` having waited for a session lookup);
@@ -526,7 +528,8 @@ class Router:
             flushed = not state.is_cancelled
             yield done_event(state, metrics, final)
         finally:
-            ending.close()
+            if ending is not None:
+                ending.close()
             await discard(pump)
             if state.replica:
                 if not state.engine_done:

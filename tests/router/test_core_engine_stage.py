@@ -266,3 +266,30 @@ async def test_a_sessions_replica_lookup_starts_before_its_prompt_is_tokenized()
     events = await _run(c.router, _inp(request_id="r", session_id="s"))
     assert isinstance(events[-1], Done)
     assert order == ["lookup", "tokenize"]
+
+
+async def test_a_detokenizer_session_that_fails_to_start_after_the_submit_aborts_the_engine_work() -> None:
+    """The submit now comes before the detokenizer session's start: a start that raises (a defect in a
+    port) still aborts and releases the request at its engine and leaves no stage task behind."""
+    c = core(FakeReplica("a", ["inbox"]))
+
+    class Broken(Exception):
+        pass
+
+    def broken_start(*a: Any, **k: Any) -> None:
+        raise Broken()
+    made = c.detok.detokenizer
+
+    def detokenizer(request_id: str) -> Any:
+        session = made(request_id)
+        session.start = broken_start  # type: ignore[method-assign]
+        return session
+    c.detok.detokenizer = detokenizer  # type: ignore[method-assign]
+    before = asyncio.all_tasks()
+    with pytest.raises(Broken):
+        await _run(c.router, _inp(request_id="r"))
+    a = c.engines.replicas["a"]
+    assert len(a.submitted) == 1 and a.aborted == a.submitted and a.released == a.submitted
+    assert c.admission.held == set() and c.router.in_flight == 0
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() - before == set()
