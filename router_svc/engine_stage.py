@@ -27,6 +27,7 @@ when the primary is placed and when it ends.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -117,11 +118,14 @@ class EngineStage:
             except Exception as exc:  # noqa: BLE001 - raised in the task, as if made there
                 first = exc
         task = asyncio.create_task(self.run(state, detok, eos, trace_ctx, first))
-        shadow = self.shadow
-        if shadow is not None and state.attempts:
-            # Placed here: a task cancelled before its first step never runs `run`'s `finally`.
-            task.add_done_callback(lambda _: shadow.finished(state))
+        if self.shadow is not None:
+            # However the task ends, cancelled before its first step included (`run` never ran then).
+            task.add_done_callback(functools.partial(self._primary_ended, state))
         return task
+
+    def _primary_ended(self, state: RequestState, _task: asyncio.Task[None]) -> None:
+        if self.shadow is not None and state.attempts:
+            self.shadow.finished(state)
 
     async def run(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
                   trace_ctx: Context | None = None, first: _First | Exception | None = None) -> None:
@@ -137,9 +141,6 @@ class EngineStage:
         except Exception as exc:  # noqa: BLE001 - surfaced to the request, never swallowed
             state.error = Reason.ENGINE_ERROR.error(f"engine stage failed: {exc!r}")
             detok.fail(state.error)
-        finally:
-            if self.shadow is not None and state.attempts:
-                self.shadow.finished(state)
 
     async def _attempts(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
                         trace_ctx: Context | None, first: _First | Exception | None) -> None:
