@@ -244,10 +244,12 @@ async def test_admission_does_not_wait_for_the_id_claim_and_a_duplicate_gives_it
     assert c.admission.held == set() and c.router.in_flight == 0
 
 
-async def test_the_early_enqueue_and_the_id_claim_start_before_the_prompt_is_encoded() -> None:
-    """Both Redis calls are started (each writes in its first step, `Batcher` / `Pipeliner` while
-    idle) before the tokenization's first step, which may encode on the loop: Redis answers them
-    while the CPU encodes. (It replaces two loop turns LocalTokenize used to wait before encoding.)"""
+async def test_the_early_enqueue_the_id_claim_and_the_session_lookup_start_before_the_prompt_is_encoded() -> None:
+    """The Redis calls are started (each writes in its first step, `Batcher` / `Pipeliner` while
+    idle; the session lookup in the loop turn the tokenization waits before it encodes) before the
+    tokenization's first step, which may encode on the loop: Redis answers them while the CPU encodes,
+    and placement finds the session's replica in at the grant. (It replaces two loop turns LocalTokenize
+    used to wait before encoding; the lookup went out after the encode until 2026-12-07.)"""
     c = core()
     registry = _SlowClaims()
     c.router.ports.registry = registry
@@ -266,10 +268,16 @@ async def test_the_early_enqueue_and_the_id_claim_start_before_the_prompt_is_enc
     async def tokenize(**kw: Any) -> list[int]:
         order.append("encode")
         return await real_tokenize(**kw)
+    real_get = c.router.ports.affinity.get
+
+    async def lookup(tenant: str, session_id: str) -> str:
+        order.append("lookup")
+        return await real_get(tenant, session_id)
     c.admission.admit, registry.claim, c.tokenizer.tokenize = admit, claim, tokenize   # type: ignore[method-assign]
-    events = await _drain(c.router.generate(TENANT, _inp(request_id="ordered")))
+    c.router.ports.affinity.get = lookup  # type: ignore[method-assign]
+    events = await _drain(c.router.generate(TENANT, _inp(request_id="ordered", session_id="s")))
     assert isinstance(events[-1], Done)
-    assert order == ["enqueue", "claim", "encode"]
+    assert order == ["enqueue", "claim", "lookup", "encode"]
 
 
 async def test_a_sessions_replica_is_asked_for_while_the_prompt_is_tokenized() -> None:

@@ -247,27 +247,6 @@ async def test_a_placement_that_fails_in_the_granting_step_fails_the_request_cle
     assert session.closed is False
 
 
-async def test_a_sessions_replica_lookup_starts_before_its_prompt_is_tokenized() -> None:
-    """The lookup goes out before an encode can hold the loop (router_svc/pipeline.py): its answer is
-    then in when the request is granted, and placement does not wait for it."""
-    c = core(FakeReplica("a"))
-    order: list[str] = []
-    get, tokenize = c.router.ports.affinity.get, c.tokenizer.tokenize
-
-    async def looked_up(tenant: str, session: str) -> str:
-        order.append("lookup")
-        return await get(tenant, session)
-
-    async def tokenized(**k: Any) -> list[int]:
-        order.append("tokenize")
-        return await tokenize(**k)
-    c.router.ports.affinity.get = looked_up  # type: ignore[method-assign]
-    c.tokenizer.tokenize = tokenized  # type: ignore[method-assign]
-    events = await _run(c.router, _inp(request_id="r", session_id="s"))
-    assert isinstance(events[-1], Done)
-    assert order == ["lookup", "tokenize"]
-
-
 async def test_a_detokenizer_session_that_fails_to_start_after_the_submit_aborts_the_engine_work() -> None:
     """The submit now comes before the detokenizer session's start: a start that raises (a defect in a
     port) still aborts and releases the request at its engine and leaves no stage task behind."""
