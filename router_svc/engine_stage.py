@@ -73,6 +73,14 @@ class _First:
     submitted: tuple[Span, ChunkSource]
 
 
+@dataclass(frozen=True, slots=True)
+class Started:
+    """`EngineStage.start`'s result: the stage's task, and whether the first submit was made in the
+    caller's step (then the engine stream's sender writes it on the loop's next turn)."""
+    task: asyncio.Task[None]
+    submitted: bool
+
+
 class _Retry(Exception):
     """This attempt failed in a way another replica may cure."""
 
@@ -102,7 +110,7 @@ class EngineStage:
         self._route_seconds = ROUTE_SECONDS.labels(self.policy_name)
 
     def start(self, state: RequestState, detok: DetokSessionPort, eos: list[int],
-              trace_ctx: Context | None = None) -> asyncio.Task[None]:
+              trace_ctx: Context | None = None) -> Started:
         """`run` as a task, its first placement and submit made now, in the caller's step, when
         nothing is left to wait for (no session, or its replica's lookup answered): the engine has
         the request before the loop turns and before the caller's own work after this (the
@@ -121,7 +129,7 @@ class EngineStage:
         if self.shadow is not None:
             # However the task ends, cancelled before its first step included (`run` never ran then).
             task.add_done_callback(functools.partial(self._primary_ended, state))
-        return task
+        return Started(task, isinstance(first, _First))
 
     def _primary_ended(self, state: RequestState, _task: asyncio.Task[None]) -> None:
         if self.shadow is not None and state.attempts:

@@ -495,25 +495,31 @@ class Router:
         meta = self.ports.tokenizer.meta
         eos = list(meta.eos_token_ids) if meta else []
         detok = self.ports.detokenize.detokenizer(state.upstream_id)
-        # The engine first: the stage places and submits the request now when it can (`start`), and
-        # the detokenizer session starts after that, before the loop turns (no token can come back
-        # sooner). Started first, the session's start held the submit back by ~0.1 ms on quiet cores.
+        # The engine first: the stage places and submits the request now when it can (`start`); the
+        # loop then turns once, in which the engine stream's sender (woken by the submit) writes it,
+        # and the detokenizer session starts after that (no token can come back sooner). Started
+        # first, the session's start held the submit's post back by ~0.1 ms on quiet cores; started
+        # in the same step after the post, it and the rest of this step held the write back by
+        # ~0.2 ms on this 2-core machine (docs/benchmarks.md, eleventh session).
         # From here on the engine may have the request: every way out aborts and releases it.
-        pump = self.stage.start(state, detok, eos, rctx)
+        started = self.stage.start(state, detok, eos, rctx)
+        pump = started.task
         ending: Ending | None = None
         flushed = False
         try:
+            if started.submitted:
+                await asyncio.sleep(0)
             detok.start(state.inp.sampling.stop, state.inp.sampling.include_stop_str,
                         state.prompt_ids[-_DETOK_CONTEXT:], inject(rctx))
             ending = Ending(state, detok, self.ports.engines)
             self.ports.registry.on_cancel(state.tenant, state.request_id, ending.on_cancel)
             pump.add_done_callback(lambda _: stage_ended(state, detok))
             if accepted is not None:
-                # Loop turns first: the engine stream's sender writes the submit (the next turn; one
-                # more when the stage's task places it, `start` having waited for a session lookup);
-                # then the Accepted. Written first, the Accepted's send held the engine's submit back
-                # by ~0.3 ms at idle.
-                for _ in range(1 if state.replica else _SUBMIT_TURNS):
+                # The Accepted after the submit's write: written first, its send held the engine's
+                # submit back by ~0.3 ms at idle. Submitted by `start`, the write went out in the turn
+                # above; placed by the stage's task (`start` waited for a session lookup), it goes out
+                # in one of the next turns.
+                for _ in range(0 if started.submitted else _SUBMIT_TURNS):
                     await asyncio.sleep(0)
                 yield accepted
             final: Merged | None = None
