@@ -5,7 +5,7 @@
 #             the client on 8-11, the engine alone in the same run, routers with --idle-spin-ms 1000), the tree before
 #             this session (e840139, extracted into .treeA/ and carried) against this tree, interleaved, ROUNDS pairs,
 #             DUR seconds a run (30); the engine hop marked on both ends (docs/relay/2026-12-07b/cpu/enginehop/)
-#   chat      ROUNDS pairs of this tree: the bench's chats as Generate calls (G, the documented client) and through
+#   chat      CROUNDS pairs of this tree: the bench's chats as Generate calls (G, the documented client) and through
 #             the Chat API (C: one open call per conversation), interleaved
 # Outputs in $OUT/o/.   e.g. SECTIONS="ab" ROUNDS=3 DUR=30 bash docs/relay/2026-12-07b/device-run-1.sh
 # (issue 10's other shows on this tree: SECTIONS="onetoken g4" bash docs/relay/2026-12-06i/device-run-1.sh)
@@ -27,4 +27,4 @@ one() {  # $1 tag, $2 tree (BENCH_ARGS passes through to bench/ttft_pinned.sh); 
   el "$1"; res $1; python3 $EH/summ.py $W/ttft/$1_eh.txt | tr -s ' ' | tr '\n' ';'; echo
 }
 on ab && for r in $(seq ${ROUNDS:-3}); do one A$r .treeA; one B$r .; done
-on chat && for r in $(seq ${ROUNDS:-2}); do one G$r .; BENCH_ARGS="--chat-api chat" one C$r .; done
+on chat && for r in $(seq ${CROUNDS:-2}); do one G$r .; BENCH_ARGS="--chat-api chat" one C$r .; done
