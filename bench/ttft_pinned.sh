@@ -6,7 +6,8 @@
 # redis-server (+ libs) in .r4dev/:  OUT=/some/dir TAG=after DUR=30 bash bench/ttft_pinned.sh
 # (TREE=dir runs the tree extracted there instead of this one; COMPARE=0 skips the --compare run, TRACED=0 the
 # traced one; the services' event loop follows TOKENRELAY_EVENT_LOOP, services/eventloop.py; BENCH_ARGS: more
-# `tokenrelay bench` options for both runs, e.g. "--chat-api chat".)
+# `tokenrelay bench` options for both runs, e.g. "--chat-api chat"; AFTER_UP: a command run once the mesh is up,
+# given its state file, e.g. one that pins its processes.)
 set -u
 OUT=${OUT:?set OUT to a directory for the outputs}
 TOP=$PWD; cd ${TREE:-.}; ROOT=$PWD
@@ -20,6 +21,7 @@ up() {  # $1 dir, rest env
   rm -rf $d; mkdir -p $d
   env "$@" taskset -c 0-5 $TR up --engine sim --port 0 --state-file $d/state.json --run-dir $d/run ${UP_ARGS:-} > $d/up.log 2>&1 &
   for i in $(seq 1 90); do [ -s $d/state.json ] && break; sleep 1; done
+  [ -n "${AFTER_UP:-}" ] && $AFTER_UP $d/state.json > $d/after_up.log 2>&1
   sleep 2
 }
 if [ "${COMPARE:-1}" = 1 ]; then

@@ -7,6 +7,9 @@
 #             DUR seconds a run (30); the engine hop marked on both ends (docs/relay/2026-12-07b/cpu/enginehop/)
 #   chat      CROUNDS pairs of this tree: the bench's chats as Generate calls (G, the documented client) and through
 #             the Chat API (C: one open call per conversation), interleaved
+#   pin       PROUNDS pairs of this tree: the mesh's processes left to float over cores 0-5 (U) against each pinned
+#             to a core of its own (P: docs/relay/2026-12-07b/pin_services.py, router 0, engine 1, Redis 2,
+#             tokenizer 3), interleaved
 # Outputs in $OUT/o/.   e.g. SECTIONS="ab" ROUNDS=3 DUR=30 bash docs/relay/2026-12-07b/device-run-1.sh
 # (issue 10's other shows on this tree: SECTIONS="onetoken g4" bash docs/relay/2026-12-06i/device-run-1.sh)
 set -u
@@ -28,3 +31,8 @@ one() {  # $1 tag, $2 tree (BENCH_ARGS passes through to bench/ttft_pinned.sh); 
 }
 on ab && for r in $(seq ${ROUNDS:-3}); do one A$r .treeA; one B$r .; done
 on chat && for r in $(seq ${CROUNDS:-2}); do one G$r .; BENCH_ARGS="--chat-api chat" one C$r .; done
+on pin && for r in $(seq ${PROUNDS:-2}); do
+  one U$r .
+  AFTER_UP="python3 docs/relay/2026-12-07b/pin_services.py" one P$r .; cp /tmp/m1/after_up.log $W/ttft/P${r}_pin.txt
+done
+cd $W && tar czf $OUT/all.tgz . && cd - > /dev/null && rm -rf $W   # one file back (the call returns at most a few)
