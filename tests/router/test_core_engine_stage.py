@@ -230,6 +230,34 @@ async def test_the_engine_streams_sender_writes_the_submit_before_the_detokenize
     assert c.detok.sessions[written[0][0]].started
 
 
+async def test_a_client_gone_in_the_loop_turn_after_the_submit_leaves_nothing_behind() -> None:
+    """The request's generator is suspended in that one loop turn after its submit: a client that goes
+    away then (its call cancelled) has its engine work aborted and released, its lease and id given
+    back, its never-started detokenizer session closed, and no stage task left running."""
+    c = core(FakeReplica("a", ["inbox"]))
+    submit = c.engines.submit
+    consumer: asyncio.Task[Any] | None = None
+
+    def cancelling(address: str, request_id: str, *a: Any, **k: Any) -> Any:
+        assert consumer is not None
+        asyncio.get_running_loop().call_soon(consumer.cancel)   # lands while the generator waits that turn
+        return submit(address, request_id, *a, **k)
+    c.engines.submit = cancelling  # type: ignore[method-assign]
+    before = asyncio.all_tasks()
+    gen = c.router.generate(TENANT, _inp(request_id="r"))
+    consumer = asyncio.ensure_future(anext(gen))
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    await gen.aclose()
+    a = c.engines.replicas["a"]
+    assert len(a.submitted) == 1 and a.aborted == a.submitted and a.released == a.submitted
+    session = c.detok.sessions[a.submitted[0]]
+    assert not session.started and session.closed is False
+    assert c.admission.held == set() and c.router.in_flight == 0
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() - before - {asyncio.current_task()} == set()
+
+
 async def test_a_session_whose_replica_lookup_is_not_answered_is_placed_once_it_is() -> None:
     """A session's replica decides its placement: when its lookup has not answered by the grant, the
     stage's task waits for it and places then (the session still sticks)."""
