@@ -500,7 +500,7 @@ class Router:
         # and the detokenizer session starts after that (no token can come back sooner). Started
         # first, the session's start held the submit's post back by ~0.1 ms on quiet cores; started
         # in the same step after the post, it and the rest of this step held the write back by
-        # ~0.2 ms on this 2-core machine (docs/benchmarks.md, eleventh session).
+        # 0.1-0.2 ms (docs/benchmarks.md, eleventh session).
         # From here on the engine may have the request: every way out aborts and releases it.
         started = self.stage.start(state, detok, eos, rctx)
         pump = started.task

@@ -28,6 +28,16 @@ async def _run(router: Any, inp: GenerateInput, deadline: float | None = None) -
     return [e async for e in router.generate(TENANT, inp, deadline)]
 
 
+def _before_submit(c: Any, hook: Any) -> None:
+    """`hook(request_id)` runs at each submit to an engine, before the submit itself."""
+    submit = c.engines.submit
+
+    def hooked(address: str, request_id: str, *a: Any, **k: Any) -> Any:
+        hook(request_id)
+        return submit(address, request_id, *a, **k)
+    c.engines.submit = hooked
+
+
 @pytest.mark.parametrize("failure", ["broken", Reason.OVERLOADED, Reason.SHUTTING_DOWN, Reason.ENGINE_UNAVAILABLE])
 async def test_a_retryable_failure_before_the_first_token_is_retried_elsewhere(failure: object) -> None:
     c = core(FakeReplica("bad", [failure]), FakeReplica("good", ["ok"], in_flight=5))
@@ -178,13 +188,11 @@ async def test_the_submit_goes_out_before_the_detokenizer_session_starts_with_no
     on quiet cores, and the stage's own task one loop turn more)."""
     c = core(FakeReplica("a", ["ok"]))
     seen: list[tuple[str, bool]] = []
-    submit = c.engines.submit
 
-    def watched(address: str, request_id: str, *a: Any, **k: Any) -> Any:
+    def watched(request_id: str) -> None:
         session = c.detok.sessions.get(request_id)
         seen.append((request_id, session is not None and session.started))
-        return submit(address, request_id, *a, **k)
-    c.engines.submit = watched  # type: ignore[method-assign]
+    _before_submit(c, watched)
     loop = asyncio.get_running_loop()
     turns_at_submit: list[int] = []
     admit = c.admission.admit
@@ -214,16 +222,14 @@ async def test_the_engine_streams_sender_writes_the_submit_before_the_detokenize
     ~0.2 ms on a 2-core machine). Here the fake's submit wakes a sender the same way."""
     c = core(FakeReplica("a", ["ok"]))
     written: list[tuple[str, bool]] = []     # per write: had the request's detokenizer session started?
-    submit = c.engines.submit
     loop = asyncio.get_running_loop()
 
-    def woken(address: str, request_id: str, *a: Any, **k: Any) -> Any:
+    def woken(request_id: str) -> None:
         def write() -> None:
             session = c.detok.sessions.get(request_id)
             written.append((request_id, session is not None and session.started))
         loop.call_soon(write)
-        return submit(address, request_id, *a, **k)
-    c.engines.submit = woken  # type: ignore[method-assign]
+    _before_submit(c, woken)
     events = await _run(c.router, _inp(request_id="r"))
     assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 3
     assert [w[1] for w in written] == [False]
@@ -235,14 +241,12 @@ async def test_a_client_gone_in_the_loop_turn_after_the_submit_leaves_nothing_be
     away then (its call cancelled) has its engine work aborted and released, its lease and id given
     back, its never-started detokenizer session closed, and no stage task left running."""
     c = core(FakeReplica("a", ["inbox"]))
-    submit = c.engines.submit
     consumer: asyncio.Task[Any] | None = None
 
-    def cancelling(address: str, request_id: str, *a: Any, **k: Any) -> Any:
+    def cancelling(_request_id: str) -> None:
         assert consumer is not None
         asyncio.get_running_loop().call_soon(consumer.cancel)   # lands while the generator waits that turn
-        return submit(address, request_id, *a, **k)
-    c.engines.submit = cancelling  # type: ignore[method-assign]
+    _before_submit(c, cancelling)
     before = asyncio.all_tasks()
     gen = c.router.generate(TENANT, _inp(request_id="r"))
     consumer = asyncio.ensure_future(anext(gen))
@@ -255,7 +259,7 @@ async def test_a_client_gone_in_the_loop_turn_after_the_submit_leaves_nothing_be
     assert not session.started and session.closed is False
     assert c.admission.held == set() and c.router.in_flight == 0
     await asyncio.sleep(0)
-    assert asyncio.all_tasks() - before - {asyncio.current_task()} == set()
+    assert asyncio.all_tasks() - before == set()
 
 
 async def test_a_session_whose_replica_lookup_is_not_answered_is_placed_once_it_is() -> None:
