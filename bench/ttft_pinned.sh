@@ -7,7 +7,8 @@
 # (TREE=dir runs the tree extracted there instead of this one; COMPARE=0 skips the --compare run, TRACED=0 the
 # traced one; the services' event loop follows TOKENRELAY_EVENT_LOOP, services/eventloop.py; BENCH_ARGS: more
 # `tokenrelay bench` options for both runs, e.g. "--chat-api chat"; AFTER_UP: a command run once the mesh is up,
-# given its state file, e.g. one that pins its processes.)
+# given its state file, e.g. one that pins its processes; UP_ENV: VAR=value words for the mesh of the --compare run
+# only, e.g. gRPC core settings, the bench client left as it is.)
 set -u
 OUT=${OUT:?set OUT to a directory for the outputs}
 TOP=$PWD; cd ${TREE:-.}; ROOT=$PWD
@@ -25,7 +26,7 @@ up() {  # $1 dir, rest env
   sleep 2
 }
 if [ "${COMPARE:-1}" = 1 ]; then
-  up /tmp/m1 X=1
+  up /tmp/m1 X=1 ${UP_ENV:-}
   taskset -c 8-11 $TR bench --workload chat-multiturn --compare --state-file /tmp/m1/state.json --duration $DUR \
     --slo-ttft 0.5 --slo-itl 0.05 ${BENCH_ARGS:-} > $OUT/${TAG}_compare.txt 2>&1
   kill %1; wait
