@@ -8,6 +8,7 @@ import asyncio
 from grpc_health.v1 import health_pb2
 
 from services import gcstats
+from services.frames import FrameServer
 from services.grpc_util import GrpcServer, wait_for_shutdown_signal, write_port_file
 from services.logging import get_logger
 from services.metrics import start_metrics_server
@@ -19,7 +20,7 @@ from .backends.events import HealthState
 from .config import EngineSettings
 from .engine import Engine
 from .registration import Registration, advertise_address, engine_report
-from .servicer import EngineServicer
+from .servicer import EngineServicer, serve_frames
 
 log = get_logger(__name__)
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -31,7 +32,14 @@ async def start_engine(settings: EngineSettings) -> tuple[Engine, GrpcServer]:
     await engine.start()
     server = GrpcServer(settings.server.host, settings.server.port, [SERVICE_NAME], [ServerTracingInterceptor()],
                         security=settings.security)
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server.server)
+    servicer = EngineServicer(engine)
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
+    if settings.frame_port >= 0:
+        frames = FrameServer(settings.server.host, settings.frame_port, lambda s: serve_frames(engine, s),
+                             name="engine")
+        servicer.frame_port = await frames.start()
+        log.info("frame_port", host=settings.server.host, port=servicer.frame_port)
+        server.on_stop(frames.stop)
     await server.start()
     _report_death(engine, server)
     return engine, server

@@ -57,6 +57,13 @@ class EngineSettings(ServiceSettings):
                                        f"to report (default {SimConfig().model})")
     max_queued: int = Field(1024, ge=0, description="requests that may wait beyond the running batch; more "
                                                     "are rejected with OVERLOADED")
+    frame_port: int = Field(-1, ge=-1, le=65535, json_schema_extra=flag("frame_port"),
+                            description="also serve the routers' stream as framed protobuf on this plaintext TCP "
+                                        "port of the same host (0 = any free port, -1 = off; told to routers in "
+                                        "load polls; they use it when their engine channels are plaintext and "
+                                        "fall back to gRPC when it does not answer): a message each way costs "
+                                        "fewer thread hand-offs than over gRPC (services/frames.py). Only with "
+                                        "--security-mode plaintext")
     sim: SimConfig = section(SimConfig, "sim backend", prefix="sim_")
     hf: HfConfig = section(HfConfig, "hf backend", prefix="hf_")
     trtllm: TrtllmConfig = section(TrtllmConfig, "trtllm backend (TensorRT-LLM's LLM API in process)", prefix="trtllm_")
@@ -66,6 +73,13 @@ class EngineSettings(ServiceSettings):
                                    prefix="triton_")
     registry: RegistrySettings = section(RegistrySettings, "replica registry (routers' --engine-registry)",
                                          prefix="registry_")
+
+    @model_validator(mode="after")
+    def _frames_are_plaintext(self) -> EngineSettings:
+        if self.frame_port >= 0 and self.security.mode != "plaintext":
+            raise conflict("--frame-port serves plaintext only: turn it off (-1) with --security-mode "
+                           f"{self.security.mode}", "frame_port", "security.mode")
+        return self
 
     @model_validator(mode="after")
     def _hf_needs_a_model(self) -> EngineSettings:

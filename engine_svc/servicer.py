@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.errors import TokenrelayError
+from services.frames import FrameStream
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.wire import FINISH_CODES
 
@@ -100,9 +101,40 @@ class _Inbound:
             self._session.close()
 
 
+def outbound_message(session: StreamSession, chunks: list[Chunk]) -> engine_pb2.EngineOutbound:
+    """One message of a stream: its chunks, and the engine's load when a report is due."""
+    message = engine_pb2.EngineOutbound(chunks=[chunk_to_proto(c) for c in chunks])
+    report = session.take_load()
+    if report is not None:
+        message.load.CopyFrom(load_to_proto(*report))
+    return message
+
+
+async def serve_frames(engine: Engine, stream: FrameStream) -> None:
+    """`Stream` on the engine's frame port (services/frames.py): the same session as the gRPC call.
+    A connection lost is a cancelled call: the session closes at once, aborting its requests."""
+    session = StreamSession(engine)
+
+    async def messages() -> AsyncIterator[engine_pb2.EngineInbound]:
+        async for m in stream.messages(engine_pb2.EngineInbound.FromString):
+            yield m
+        if stream.lost:
+            session.close()
+
+    inbound = _Inbound(messages(), session)
+    try:
+        async for chunks in session.run(aiter(inbound)):
+            await stream.send(outbound_message(session, chunks))
+    finally:
+        session.close()
+    if inbound.error is not None:
+        raise inbound.error
+
+
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self.frame_port = 0      # the frame port, told in load polls (0 = none)
 
     async def Stream(self, request_iterator: AsyncIterator[engine_pb2.EngineInbound],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.EngineOutbound]:
@@ -112,11 +144,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         context.add_done_callback(lambda _ctx: session.close())
         inbound = _Inbound(request_iterator, session)
         async for chunks in session.run(aiter(inbound)):
-            message = engine_pb2.EngineOutbound(chunks=[chunk_to_proto(c) for c in chunks])
-            report = session.take_load()
-            if report is not None:
-                message.load.CopyFrom(load_to_proto(*report))
-            yield message
+            yield outbound_message(session, chunks)
         if inbound.error is not None:
             raise inbound.error
 
@@ -128,7 +156,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                       context: grpc.aio.ServicerContext) -> engine_pb2.LoadReport:
         engine = self._engine
         health = engine.health
-        return load_to_proto(engine.load(), health is not HealthState.SERVING, health, engine.iteration_stats())
+        report = load_to_proto(engine.load(), health is not HealthState.SERVING, health, engine.iteration_stats())
+        report.frame_port = self.frame_port
+        return report
 
     async def SubscribeKvEvents(self, request: engine_pb2.KvEventsRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.KvEventBatch]:

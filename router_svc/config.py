@@ -30,6 +30,11 @@ class UpstreamSettings(Section):
                                                      "(the admission --redis-url and --pool; engine_svc "
                                                      "--registry-redis-url): new ones join, those that miss "
                                                      "their heartbeats leave; Redis down = keep the last set")
+    engine_frames: bool = Field(True, description="open the stream to an engine on its frame port when it has "
+                                                  "one (engine_svc --frame-port; told in its load polls) and this "
+                                                  "router's engine channels are plaintext: the same messages "
+                                                  "without gRPC, fewer thread hand-offs each; an engine whose "
+                                                  "frame port does not answer gets gRPC for 30 s")
     registry_interval: float = Field(1.0, ge=0.05, le=60, description="seconds between reads of the engine "
                                                                       "registry (one Redis call each)")
     dns_interval: float = Field(5.0, ge=0.1, le=3600, description="seconds between lookups of dns: entries of "

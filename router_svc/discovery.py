@@ -426,7 +426,7 @@ def from_settings(upstreams: UpstreamSettings, routing: RoutingSettings, admissi
         raise ValueError("no engine replicas: give --engines or --engine-registry")
     policy = BreakerPolicy(routing.breaker_failures, routing.breaker_backoff, routing.breaker_max_backoff)
     pool = EnginePool((), routing.engine_poll_interval, security=security, wake_delay=routing.engine_wake_delay,
-                      breaker=policy, poll_timeout=routing.engine_poll_timeout)
+                      breaker=policy, poll_timeout=routing.engine_poll_timeout, frames=upstreams.engine_frames)
     sources = build_sources(upstreams.engines, dns_interval=upstreams.dns_interval,
                             registry_url=admission.redis_url if upstreams.engine_registry else "",
                             registry_pool=admission.pool, registry_interval=upstreams.registry_interval,

@@ -252,5 +252,7 @@ BREAKER_TRANSITIONS = Counter("tokenrelay_router_breaker_transitions_total", "Ci
 REPLICA_CHANGES = Counter("tokenrelay_router_engine_replica_changes_total", "Changes of the engine pool's "
                           "membership: added, removed (retired: closed once its requests end), expired (its "
                           "registry entry missed its heartbeats: its streams failed at once)", ["change"])
+ENGINE_STREAMS = Counter("tokenrelay_router_engine_streams_total", "Multiplexed streams opened to engine replicas, "
+                         "by transport: frames (the engine's frame port, services/frames.py) or grpc", ["transport"])
 DISCOVERY_FAILURES = Counter("tokenrelay_router_discovery_failures_total", "Reads of an engine source that failed "
                              "(the last known replicas are kept), by source kind (dns, registry)", ["source"])

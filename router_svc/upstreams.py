@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -21,6 +21,7 @@ import grpc
 
 from services.channels import CHANNEL_OPTIONS, open_channel
 from services.errors import Reason
+from services.frames import FrameCall
 from services.logging import get_logger
 from services.mux import Inbox, MuxClient, stream_error
 from services.proto.tokenrelay.v1 import (
@@ -45,6 +46,18 @@ __all__ = ["DEFAULT_POOL", "DetokSession", "EnginePool", "EngineReplica", "Repli
 # (services/mux.py): at most one delta per request per WAKE_DELAY while the loop lags.
 WAKE_DELAY = 0.02
 
+
+
+def frame_host(address: str) -> str:
+    """The host of an engine's ``host:port`` address (``[v6]:port`` too), where its frame port is;
+    "" for an address that names no single host (``dns:``, ``unix:``, ``ipv4:a,b``)."""
+    if address.startswith("["):
+        host, sep, _port = address[1:].partition("]:")
+        return host if sep else ""
+    if "/" in address or address.count(":") != 1 or "," in address:
+        return ""
+    host, _, _port = address.partition(":")
+    return "" if host in ("unix", "dns", "ipv4", "ipv6") else host
 
 
 def _rpc(exc: grpc.aio.AioRpcError, what: str) -> Exception:
@@ -99,6 +112,7 @@ _NOT_READY = frozenset({Reason.SHUTTING_DOWN.value, Reason.ENGINE_UNAVAILABLE.va
 # restarted on its port) connects at once instead of inheriting the old connection's backoff.
 _ENGINE_CHANNEL = (*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1))
 RETIRE_MAX = 900.0      # seconds a retired replica's channel stays open for its in-flight requests
+FRAMES_RETRY = 30.0     # seconds an engine's frame port that could not be connected to is left alone
 
 
 @dataclass
@@ -119,12 +133,39 @@ class EngineReplica:
     load_reports: int = 0         # reports received on the stream (not the poll)
     wake_delay: float = WAKE_DELAY
     probe: str = ""               # the request sent as the half-open breaker's probe
+    frames: bool = False          # may use the engine's frame port (engine channels are plaintext)
+    frame_port: int = 0           # the engine's frame port, from its load polls (0 = none: gRPC)
+    frames_off_until: float = 0.0   # monotonic time until which its frame port is not tried again
     mux: MuxClient[EngineChunk] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.mux = MuxClient(f"engine-{self.address}", self.stub.Stream, _engine_build, _engine_split,
+        self.mux = MuxClient(f"engine-{self.address}", self._open_stream, _engine_build, _engine_split,
                              on_message=self._on_message, max_wake_delay=self.wake_delay, convert=self._chunk,
                              merge=_engine_merge)
+
+    @property
+    def transport(self) -> str:
+        """What the next stream opens: ``frames`` (the engine's frame port) or ``grpc``."""
+        host = frame_host(self.address)
+        if self.frame_port and host and time.monotonic() >= self.frames_off_until:
+            return "frames"
+        return "grpc"
+
+    def _open_stream(self, requests: AsyncIterator[engine_pb2.EngineInbound]) -> Any:
+        """The multiplexed stream's call: on the engine's frame port when it has one (services/frames.py),
+        else its gRPC `Stream`. A frame port that cannot be connected to is left alone for
+        `FRAMES_RETRY` seconds (the stream's requests fail as retryable; the next stream uses gRPC)."""
+        if self.transport == "frames":
+            metrics.ENGINE_STREAMS.labels("frames").inc()
+            return FrameCall(frame_host(self.address), self.frame_port, requests, engine_pb2.EngineOutbound.FromString,
+                             what=f"engine {self.address} frame port", on_connect_failed=self._frames_failed)
+        metrics.ENGINE_STREAMS.labels("grpc").inc()
+        return self.stub.Stream(requests)
+
+    def _frames_failed(self, exc: BaseException) -> None:
+        self.frames_off_until = time.monotonic() + FRAMES_RETRY
+        log.warning("engine_frame_port_unreachable", address=self.address, port=self.frame_port,
+                    error=str(exc) or type(exc).__name__, retry_in=FRAMES_RETRY)
 
     @property
     def healthy(self) -> bool:
@@ -158,8 +199,10 @@ class EngineReplica:
             self.set_serving(False)
         return chunk
 
-    def apply_load(self, r: engine_pb2.LoadReport) -> None:
+    def apply_load(self, r: engine_pb2.LoadReport, *, polled: bool = False) -> None:
         self.load = _load_from_proto(r)
+        if polled:     # the stream's own reports do not carry it
+            self.frame_port = r.frame_port if self.frames else 0
         self.set_serving(not r.draining)
 
     def set_serving(self, serving: bool) -> None:
@@ -239,8 +282,10 @@ class EnginePool:
     def __init__(self, addresses: Sequence[str] = (), poll_interval: float = 1.0, session_capacity: int = 100_000,
                  *, security: SecuritySettings = PLAINTEXT, wake_delay: float = WAKE_DELAY,
                  breaker: BreakerPolicy = DEFAULT_POLICY, poll_timeout: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, frames: bool = True) -> None:
         self._security = security
+        # An engine's frame port is plaintext: used only while the engine channels are too.
+        self._frames = frames and security.channel_mode == "plaintext"
         self._wake_delay = wake_delay
         self._policy = breaker
         self._clock = clock
@@ -290,7 +335,7 @@ class EnginePool:
             replica = EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel), pool,
                                     Breaker(self._policy, clock=self._clock, on_transition=self._transition,
                                             on_change=lambda _b: self._update_gauges(), name=address),
-                                    wake_delay=self._wake_delay)
+                                    wake_delay=self._wake_delay, frames=self._frames)
             if load is not None:
                 replica.load = load
         self._by_address[address] = replica
@@ -391,7 +436,7 @@ class EnginePool:
                 log.warning("engine_poll_failed", address=replica.address, error=code)
             replica.breaker.failure(POLL)
             return
-        replica.apply_load(r)
+        replica.apply_load(r, polled=True)
         replica.breaker.success(POLL)
 
     async def _poll_forever(self) -> None:

@@ -171,6 +171,12 @@ class GrpcServer:
             [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.host = host
         self.port = bind_port(self.server, f"{host}:{port}", security)
+        # Other listeners of the process that drain with it (the engine's frame port): each is
+        # called with the grace period and runs beside the gRPC server's own stop.
+        self._companions: list[Callable[[float], Awaitable[None]]] = []
+
+    def on_stop(self, stop: Callable[[float], Awaitable[None]]) -> None:
+        self._companions.append(stop)
 
     @property
     def address(self) -> str:
@@ -189,7 +195,7 @@ class GrpcServer:
 
     async def stop(self, grace: float) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace)
+        await asyncio.gather(self.server.stop(grace), *(stop(grace) for stop in self._companions))
 
 
 async def wait_for_shutdown_signal() -> None:

@@ -233,11 +233,11 @@ class _Waker:
 class MuxClient(Generic[Item]):
     """One multiplexed stream.
 
-    ``open_call(request_iterator)`` starts the gRPC call; ``build(pending)`` turns a dict of
-    field name → list of posted items into one request message; ``split(response)`` yields
-    ``(request_id, raw)`` pairs of a response message; ``convert(raw)`` makes the item (default: the
-    raw value itself) unless ``merge(pending_item, raw)`` folded it into the request's pending item
-    and returned True (module doc). ``on_message(response)``, when given, sees
+    ``open_call(request_iterator)`` starts the gRPC call (or a `services.frames.FrameCall`);
+    ``build(pending)`` turns a dict of field name → list of posted items into one request message;
+    ``split(response)`` yields ``(request_id, raw)`` pairs of a response message; ``convert(raw)``
+    makes the item (default: the raw value itself) unless ``merge(pending_item, raw)`` folded it
+    into the request's pending item and returned True (module doc). ``on_message(response)``, when given, sees
     every response message first (e.g. a load report riding on the stream). ``max_wake_delay``:
     how long a busy loop may defer consumers' wake-ups (module doc; 0 = never deferred).
     """
@@ -353,8 +353,9 @@ class MuxClient(Generic[Item]):
                             waker.add(inbox)
                         else:
                             inbox.wake()   # a first item goes at once
-        except grpc.aio.AioRpcError as exc:
-            error = stream_error(exc, self.name)
+        except (grpc.aio.AioRpcError, TokenrelayError) as exc:
+            # A TokenrelayError: a stream that is no gRPC call (services/frames.py) failed, typed already.
+            error = stream_error(exc, self.name) if isinstance(exc, grpc.aio.AioRpcError) else exc
             if self._on_broken is not None and not self._closed:
                 self._on_broken(error)
         except asyncio.CancelledError:

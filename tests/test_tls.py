@@ -384,3 +384,20 @@ def test_the_cli_client_takes_a_ca_file(mesh: Mesh, capsys: pytest.CaptureFixtur
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "tokenrelay: error: --ca-file: /nonexistent/ca.crt: no such file"]
+
+
+def test_an_engine_frame_port_is_plaintext_only(certs: Certs) -> None:
+    """engine_svc --frame-port serves plaintext (services/frames.py): refused beside a TLS or mTLS port,
+    and a router whose engine channels are secured never dials one."""
+    from pydantic import ValidationError
+
+    from engine_svc.config import EngineSettings
+    from router_svc.upstreams import EnginePool
+
+    for mode in ("tls", "mtls"):
+        with pytest.raises(ValidationError, match="frame-port serves plaintext only"):
+            EngineSettings(frame_port=0, security=_settings(certs, mode))
+        assert EngineSettings(security=_settings(certs, mode)).frame_port == -1
+    secured = SecuritySettings(mode="plaintext", client_mode="tls", ca_file=certs.ca_crt)  # type: ignore[arg-type]
+    assert EnginePool(security=secured)._frames is False
+    assert EnginePool(security=SecuritySettings())._frames is True

@@ -501,8 +501,10 @@ def engine_argv(model: pathlib.Path, engine: str, replicas: int, extra: list[str
                 cores: int | None = None, device: str = "") -> list[str]:
     """Flags of each engine replica: its torch `device` (hf; "" = the engine's default, cpu). Several
     `hf` engines on this host's CPUs share its cores, so each gets its share of torch threads (as
-    tokenizer replicas do); `extra` comes last and wins."""
-    argv = ["--backend", engine, "--model", str(model), *engine_args_for(model, engine)]
+    tokenizer replicas do); a frame port each; `extra` comes last and wins."""
+    # The routers' stream on a frame port of its own (engine_svc --frame-port; these meshes are plaintext):
+    # one message each way costs less than over gRPC (services/frames.py, docs/architecture.md).
+    argv = ["--backend", engine, "--model", str(model), *engine_args_for(model, engine), "--frame-port", "0"]
     if engine == "hf" and device:
         argv += ["--hf-device", device]
     if engine == "hf" and replicas > 1 and not device.startswith("cuda"):

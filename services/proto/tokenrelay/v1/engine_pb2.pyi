@@ -112,7 +112,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("backend", "model", "active_requests", "queued_requests", "max_active_requests", "kv_blocks_total", "kv_blocks_used", "tokens_per_block", "max_context", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "draining", "health", "stats")
+    __slots__ = ("backend", "model", "active_requests", "queued_requests", "max_active_requests", "kv_blocks_total", "kv_blocks_used", "tokens_per_block", "max_context", "prompt_tokens_total", "cached_tokens_total", "generated_tokens_total", "draining", "health", "stats", "frame_port")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class LoadReport(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     backend: str
     model: str
     active_requests: int
@@ -143,7 +144,8 @@ class LoadReport(_message.Message):
     draining: bool
     health: EngineHealth
     stats: IterationStats
-    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., draining: _Optional[bool] = ..., health: _Optional[_Union[EngineHealth, str]] = ..., stats: _Optional[_Union[IterationStats, _Mapping]] = ...) -> None: ...
+    frame_port: int
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., draining: _Optional[bool] = ..., health: _Optional[_Union[EngineHealth, str]] = ..., stats: _Optional[_Union[IterationStats, _Mapping]] = ..., frame_port: _Optional[int] = ...) -> None: ...
 
 class IterationStats(_message.Message):
     __slots__ = ("iteration", "active_requests", "queued_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_reused", "kv_blocks_missed", "kv_cache_hit_rate", "context_requests", "generation_requests", "paused_requests", "iteration_latency_ms")
