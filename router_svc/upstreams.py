@@ -154,11 +154,15 @@ class EngineReplica:
     def _open_stream(self, requests: AsyncIterator[engine_pb2.EngineInbound]) -> Any:
         """The multiplexed stream's call: on the engine's frame port when it has one (services/frames.py),
         else its gRPC `Stream`. A frame port that cannot be connected to is left alone for
-        `FRAMES_RETRY` seconds (the stream's requests fail as retryable; the next stream uses gRPC)."""
+        `FRAMES_RETRY` seconds, and that stream goes over gRPC instead (nothing was sent on it yet)."""
         if self.transport == "frames":
             metrics.ENGINE_STREAMS.labels("frames").inc()
             return FrameCall(frame_host(self.address), self.frame_port, requests, engine_pb2.EngineOutbound.FromString,
-                             what=f"engine {self.address} frame port", on_connect_failed=self._frames_failed)
+                             what=f"engine {self.address} frame port", on_connect_failed=self._frames_failed,
+                             fallback=self._grpc_stream)
+        return self._grpc_stream(requests)
+
+    def _grpc_stream(self, requests: AsyncIterator[engine_pb2.EngineInbound]) -> Any:
         metrics.ENGINE_STREAMS.labels("grpc").inc()
         return self.stub.Stream(requests)
 

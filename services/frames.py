@@ -90,16 +90,21 @@ class FrameCall(Generic[M]):
     iterated, writes every message of ``requests`` as it comes and an END frame when they run out.
     Failures raise `TokenrelayError`: UPSTREAM_UNAVAILABLE for a connection that cannot be opened or
     is lost, the server's own reason for an ERROR frame. ``on_connect_failed`` hears a connection that
-    could not be opened (the router then falls back to gRPC for a while)."""
+    could not be opened; then, with a ``fallback``, the call is ``fallback(requests)`` instead (the
+    router's gRPC call: nothing was sent yet, so no request is lost) and its responses and failures are
+    this call's."""
 
     def __init__(self, host: str, port: int, requests: AsyncIterator[Message], parse: Callable[[bytes], M],
                  *, what: str = "frames", on_connect_failed: Callable[[BaseException], None] | None = None,
+                 fallback: Callable[[Any], Any] | None = None,
                  connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self._host, self._port = host, port
         self._requests = requests
         self._parse = parse
         self._what = what
         self._on_connect_failed = on_connect_failed
+        self._fallback = fallback
+        self._instead: Any = None          # the fallback's call, once it took over
         self._connect_timeout = connect_timeout
         self._writer: asyncio.StreamWriter | None = None
         self._sender: asyncio.Task[None] | None = None
@@ -107,6 +112,8 @@ class FrameCall(Generic[M]):
 
     def cancel(self) -> bool:
         self._cancelled = True
+        if self._instead is not None:
+            self._instead.cancel()
         if self._sender is not None:
             self._sender.cancel()
         if self._writer is not None:
@@ -136,7 +143,12 @@ class FrameCall(Generic[M]):
         except (OSError, asyncio.TimeoutError) as exc:
             if self._on_connect_failed is not None:
                 self._on_connect_failed(exc)
-            raise self._lost(f"cannot connect: {exc or type(exc).__name__}") from exc
+            if self._fallback is None or self._cancelled:
+                raise self._lost(f"cannot connect: {exc or type(exc).__name__}") from exc
+            self._instead = self._fallback(self._requests)
+            async for response in self._instead:
+                yield response
+            return
         self._writer = writer
         if self._cancelled:
             writer.close()

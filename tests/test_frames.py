@@ -101,6 +101,24 @@ async def test_a_refused_connection_is_upstream_unavailable_and_is_told() -> Non
     assert len(failed) == 1
 
 
+async def test_a_refused_connection_with_a_fallback_is_the_fallbacks_call() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    taken: list[list[str]] = []
+
+    async def fallback_call(requests: AsyncIterator[Inbound]) -> AsyncIterator[Outbound]:
+        ids = [rid async for m in requests for rid in m.abort]   # the requests reach the fallback, all of them
+        taken.append(ids)
+        yield Outbound(chunks=[engine_pb2.TokenChunk(request_id=r) for r in ids])
+
+    failed: list[BaseException] = []
+    call = FrameCall("127.0.0.1", port, _requests("a", "b"), Outbound.FromString, on_connect_failed=failed.append,
+                     fallback=fallback_call)
+    got = [c.request_id async for m in call for c in m.chunks]
+    assert got == ["a", "b"] and taken == [["a", "b"]] and len(failed) == 1
+
+
 async def test_a_server_gone_mid_stream_is_upstream_unavailable() -> None:
     started = asyncio.Event()
 

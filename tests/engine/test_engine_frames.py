@@ -17,7 +17,6 @@ from engine_svc.config import EngineSettings
 from router_svc.types import Sampling
 from router_svc.upstreams import EnginePool, frame_host
 from services.channels import open_channel
-from services.errors import Reason, TokenrelayError
 from services.frames import FrameCall
 from services.mux import StreamBroken
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -149,25 +148,32 @@ async def test_off_or_behind_secured_channels_the_pool_keeps_grpc(engine_server)
     # (secured channels: tests/test_tls.py, test_an_engine_frame_port_is_plaintext_only)
 
 
-async def test_a_frame_port_that_does_not_answer_fails_retryably_once_then_grpc_is_used(engine_server) -> None:
+async def test_a_frame_port_that_does_not_answer_falls_back_to_grpc_without_losing_the_request(engine_server) -> None:
     _engine, server = engine_server
     pool = EnginePool([server.address], poll_interval=3600)
     try:
         await pool.poll_once()
         replica = pool.replicas[0]
-        with socket.socket() as s:        # a port nobody listens on
+        with socket.socket() as s:        # a port nobody listens on (an engine restarted on a new one)
             s.bind(("127.0.0.1", 0))
             replica.frame_port = s.getsockname()[1]
+        assert replica.transport == "frames"
+        before = _streams()
         inbox = pool.submit(server.address, "a", [1, 2], Sampling(max_tokens=3, ignore_eos=True), [], "", {})
-        with pytest.raises(TokenrelayError) as info:
-            await _tokens(inbox)
-        assert info.value.reason == Reason.UPSTREAM_UNAVAILABLE and info.value.retryable
+        assert len(await _tokens(inbox)) == 3     # the stream went over gRPC instead: nothing failed
         pool.release(server.address, "a")
-        assert replica.transport == "grpc"
-        inbox = pool.submit(server.address, "b", [1, 2], Sampling(max_tokens=3, ignore_eos=True), [], "", {})
-        assert len(await _tokens(inbox)) == 3
+        assert replica.transport == "grpc" and replica.frames_off_until > 0
+        assert _streams() == {"frames": before["frames"] + 1, "grpc": before["grpc"] + 1}
+        await pool.poll_once()                    # the engine's own port, told again: used after the pause
+        replica.frames_off_until = 0.0
+        assert replica.transport == "frames"
     finally:
         await pool.close()
+
+
+def _streams() -> dict[str, float]:
+    from router_svc import metrics
+    return {t: metrics.ENGINE_STREAMS.labels(t)._value.get() for t in ("frames", "grpc")}
 
 
 def test_frame_port_bounds() -> None:
