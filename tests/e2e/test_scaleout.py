@@ -28,7 +28,7 @@ from services.client import Client, Finished, TextDelta
 from services.errors import InvalidArgument, TokenrelayError
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.e2e.prockit import KEYS, Procs, first_delta, outcome
-from tests.meshkit import scrape
+from tests.meshkit import metric_sum, scrape
 from tests.waiting import poll
 from tokenrelay_tools.cli.launcher import engine_argv
 
@@ -225,10 +225,27 @@ async def _run(client: Client, prompt: str, got_delta: dict[int, bool], i: int) 
         return f"{type(exc).__name__}:{exc.reason}"
 
 
-async def test_kill_9_an_engine_under_load(tmp_path, redis_url):
+# The engines' streams over gRPC, and over their frame ports (services/frames.py): the same guarantees.
+TRANSPORTS = pytest.mark.parametrize("transport", ["grpc", "frames"])
+
+
+def _frame_flags(transport: str) -> tuple[str, ...]:
+    return ("--frame-port", "0") if transport == "frames" else ()
+
+
+def _used(p: Procs, transport: str) -> None:
+    """The router opened its engine streams over `transport` only."""
+    streams = {t: metric_sum(p.metrics["r"], "tokenrelay_router_engine_streams_total", transport=t)
+               for t in ("grpc", "frames")}
+    other = "grpc" if transport == "frames" else "frames"
+    assert streams[transport] >= 2 and streams[other] == 0, streams
+
+
+@TRANSPORTS
+async def test_kill_9_an_engine_under_load(tmp_path, redis_url, transport):
     p = Procs(tmp_path, redis_url)
     try:
-        await p.upstreams()
+        await p.upstreams(*_frame_flags(transport))
         p.router("r")
         await p.ready("r")
         async with Client(p.addr["r"], KEYS["t1"]) as client:
@@ -246,14 +263,16 @@ async def test_kill_9_an_engine_under_load(tmp_path, redis_url):
             for _ in range(4):                                              # new requests succeed
                 result = await client.generate("after", max_tokens=5, ignore_eos=True)
                 assert result.finished.completion_tokens == 5
+        _used(p, transport)
     finally:
         p.stop()
 
 
-async def test_a_draining_engines_work_is_retried_elsewhere(tmp_path, redis_url):
+@TRANSPORTS
+async def test_a_draining_engines_work_is_retried_elsewhere(tmp_path, redis_url, transport):
     p = Procs(tmp_path, redis_url)
     try:
-        await p.upstreams("--shutdown-grace", "30")
+        await p.upstreams("--shutdown-grace", "30", *_frame_flags(transport))
         p.router("r", "--engine-poll-interval", "5")  # the poll must not hide the in-band refusal
         await p.ready("r")
         async with Client(p.addr["r"], KEYS["t1"]) as client:
@@ -276,6 +295,7 @@ async def test_a_draining_engines_work_is_retried_elsewhere(tmp_path, redis_url)
                 async for event in s:
                     if isinstance(event, Finished):
                         assert event.completion_tokens == 300
+            _used(p, transport)
         assert p.procs["e0"].wait(30) == 0, p.log("e0")
     finally:
         p.stop()
