@@ -6,16 +6,19 @@ aborts its requests, a port that does not answer falls back to gRPC, and secured
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from engine_svc.app import start_engine
 from engine_svc.config import EngineSettings
+from router_svc import metrics
 from router_svc.types import Sampling
-from router_svc.upstreams import EnginePool, frame_host
+from router_svc.upstreams import EnginePool, EngineReplica, frame_host
 from services.channels import open_channel
 from services.frames import FrameCall
 from services.mux import StreamBroken
@@ -107,20 +110,31 @@ async def test_a_malformed_frame_ends_the_stream_with_its_reason_and_aborts_its_
     assert engine.live == 0
 
 
-async def test_the_routers_pool_uses_the_frame_port_and_requests_run_over_it(engine_server) -> None:
-    _engine, server = engine_server
-    pool = EnginePool([server.address], poll_interval=3600)
+def _streams() -> dict[str, float]:
+    """The router's engine streams opened so far, by transport."""
+    return {t: metrics.ENGINE_STREAMS.labels(t)._value.get() for t in ("frames", "grpc")}
+
+
+@contextlib.asynccontextmanager
+async def _polled(address: str, **options: Any) -> AsyncIterator[tuple[EnginePool, EngineReplica]]:
+    """The router's pool over one engine, its load polled once (the frame port learned)."""
+    pool = EnginePool([address], poll_interval=3600, **options)
     try:
         await pool.poll_once()
-        replica = pool.replicas[0]
-        assert replica.frame_port > 0 and replica.transport == "frames"
-        inbox = pool.submit(server.address, "a", [1, 2, 3], Sampling(max_tokens=4, ignore_eos=True), [], "", {})
-        tokens = await _tokens(inbox)
-        assert len(tokens) == 4
-        assert isinstance(replica.mux._reader, asyncio.Task)
-        pool.release(server.address, "a")
+        yield pool, pool.replicas[0]
     finally:
         await pool.close()
+
+
+async def test_the_routers_pool_uses_the_frame_port_and_requests_run_over_it(engine_server) -> None:
+    _engine, server = engine_server
+    async with _polled(server.address) as (pool, replica):
+        assert replica.frame_port > 0 and replica.transport == "frames"
+        before = _streams()
+        inbox = pool.submit(server.address, "a", [1, 2, 3], Sampling(max_tokens=4, ignore_eos=True), [], "", {})
+        assert len(await _tokens(inbox)) == 4
+        assert _streams() == {"frames": before["frames"] + 1, "grpc": before["grpc"]}
+        pool.release(server.address, "a")
 
 
 async def _tokens(inbox) -> list[int]:
@@ -134,26 +148,20 @@ async def _tokens(inbox) -> list[int]:
                 return tokens
 
 
-async def test_off_or_behind_secured_channels_the_pool_keeps_grpc(engine_server) -> None:
+async def test_with_frames_off_the_pool_keeps_grpc(engine_server) -> None:
+    # (secured engine channels: tests/test_tls.py, test_an_engine_frame_port_is_plaintext_only)
     _engine, server = engine_server
-    for pool in (EnginePool([server.address], poll_interval=3600, frames=False),):
-        try:
-            await pool.poll_once()
-            replica = pool.replicas[0]
-            assert replica.frame_port == 0 and replica.transport == "grpc"
-            inbox = pool.submit(server.address, "g", [1, 2], Sampling(max_tokens=3, ignore_eos=True), [], "", {})
-            assert len(await _tokens(inbox)) == 3
-        finally:
-            await pool.close()
-    # (secured channels: tests/test_tls.py, test_an_engine_frame_port_is_plaintext_only)
+    async with _polled(server.address, frames=False) as (pool, replica):
+        assert replica.frame_port == 0 and replica.transport == "grpc"
+        before = _streams()
+        inbox = pool.submit(server.address, "g", [1, 2], Sampling(max_tokens=3, ignore_eos=True), [], "", {})
+        assert len(await _tokens(inbox)) == 3
+        assert _streams() == {"frames": before["frames"], "grpc": before["grpc"] + 1}
 
 
 async def test_a_frame_port_that_does_not_answer_falls_back_to_grpc_without_losing_the_request(engine_server) -> None:
     _engine, server = engine_server
-    pool = EnginePool([server.address], poll_interval=3600)
-    try:
-        await pool.poll_once()
-        replica = pool.replicas[0]
+    async with _polled(server.address) as (pool, replica):
         with socket.socket() as s:        # a port nobody listens on (an engine restarted on a new one)
             s.bind(("127.0.0.1", 0))
             replica.frame_port = s.getsockname()[1]
@@ -167,13 +175,6 @@ async def test_a_frame_port_that_does_not_answer_falls_back_to_grpc_without_losi
         await pool.poll_once()                    # the engine's own port, told again: used after the pause
         replica.frames_off_until = 0.0
         assert replica.transport == "frames"
-    finally:
-        await pool.close()
-
-
-def _streams() -> dict[str, float]:
-    from router_svc import metrics
-    return {t: metrics.ENGINE_STREAMS.labels(t)._value.get() for t in ("frames", "grpc")}
 
 
 def test_frame_port_bounds() -> None:

@@ -13,7 +13,7 @@ for r in $(seq ${ROUNDS:-2}); do
     case "$envs" in S:*) senv=${envs#S:}; cenv=X=1;; C:*) cenv=${envs#C:}; senv=X=1;; esac
     (env $senv TR_HOP=$d/hop PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} ${SRV_PIN:-} $PY $HOP/bare.py $d/state.json > $d/bare.log 2>&1 &)
     for k in $(seq 50); do [ -s $d/state.json ] && break; sleep 0.2; done; sleep 1
-    env $cenv PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} ${CLI_PIN:-} $PY $HERE/client.py $d/state.json $N $d/client.txt > /dev/null
+    env $cenv PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} ${CLI_PIN:-} $PY $HOP/client.py $d/state.json $N $d/client.txt > /dev/null
     pkill -f hop/bare.py; sleep 0.5
     echo "== v$i [$envs] round $r"; $PY $HOP/summ.py $d/client.txt $d/hop.* | grep -E "servicer starts|client has|client TTFT"
   done

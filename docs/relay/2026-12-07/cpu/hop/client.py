@@ -2,10 +2,12 @@
 client) at light load, each stamped with its send time (`x-sent-ns`); per call the wall-clock ns of the send,
 the Accepted and the first delta received. With the router's marks (sitecustomize.py here) the client hop
 splits into: before the servicer starts, the servicer to its first delta, the delta's write, its delivery.
-    python docs/relay/2026-12-07/cpu/hop/client.py STATE_JSON N OUT"""
+    python docs/relay/2026-12-07/cpu/hop/client.py STATE_JSON N OUT
+(GAP: the seconds between calls, 0.05 by default; the twelfth session's runs set it.)"""
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -15,6 +17,7 @@ import grpc
 
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
+GAP = float(os.environ.get("GAP", "0.05"))
 CHAT_MESSAGE = common_pb2.ChatMessage if hasattr(common_pb2, "ChatMessage") else inference_pb2.ChatMessage
 
 
@@ -47,7 +50,7 @@ async def main(state: dict, n: int) -> list[tuple[str, int, int, int]]:
                     reply.append(r.delta.text)
             messages.append(CHAT_MESSAGE(role="assistant", content="".join(reply)))
             rows.append((f"h{i}", sent, accepted, first))
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(GAP)
     return rows[20:]        # the first are warm-up
 
 
