@@ -88,11 +88,11 @@ class FrameCall(Generic[M]):
     """A client stream with the part of a grpc.aio stream-stream call `services.mux.MuxClient` uses:
     iterate it for the responses (parsed with ``parse``), ``cancel()`` it. It connects when first
     iterated, writes every message of ``requests`` as it comes and an END frame when they run out.
-    Failures raise `TokenrelayError`: UPSTREAM_UNAVAILABLE for a connection that cannot be opened or
-    is lost, the server's own reason for an ERROR frame. ``on_connect_failed`` hears a connection that
-    could not be opened; then, with a ``fallback``, the call is ``fallback(requests)`` instead (the
-    router's gRPC call: nothing was sent yet, so no request is lost) and its responses and failures are
-    this call's."""
+    Failures raise `TokenrelayError`: UPSTREAM_UNAVAILABLE for a connection that cannot be opened, is
+    lost or carries what is not a frame stream; the server's own reason for an ERROR frame.
+    ``on_connect_failed`` hears a connection that could not be opened (or spoke something else);
+    then, with a ``fallback``, the call is ``fallback(requests)`` instead (the router's gRPC call:
+    nothing was sent yet, so no request is lost), and its responses and failures are this call's."""
 
     def __init__(self, host: str, port: int, requests: AsyncIterator[Message], parse: Callable[[bytes], M],
                  *, what: str = "frames", on_connect_failed: Callable[[BaseException], None] | None = None,
@@ -156,13 +156,24 @@ class FrameCall(Generic[M]):
         writer.write(MAGIC)
         self._sender = asyncio.create_task(self._send(writer), name=f"frames-send-{self._what}")
         try:
+            framed = False          # a well-formed frame came back on this connection
             while True:
                 try:
                     kind, payload = await read_frame(reader)
+                    message = _parse(self._parse, payload) if kind == MESSAGE else None
                 except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+                    if not framed and not self._cancelled and self._on_connect_failed is not None:
+                        self._on_connect_failed(exc)     # closed on us before a frame: not a frame port
                     raise self._lost("connection lost") from exc
-                if kind == MESSAGE:
-                    yield _parse(self._parse, payload)
+                except TokenrelayError as exc:
+                    # The server broke the protocol (another program on that port, say): not the
+                    # requests' fault. Retryable, and the port is left alone like one that refuses.
+                    if self._on_connect_failed is not None:
+                        self._on_connect_failed(exc)
+                    raise self._lost(f"not a tokenrelay frame stream: {exc.message}") from exc
+                framed = True
+                if message is not None:
+                    yield message
                 elif kind == END:
                     return
                 else:

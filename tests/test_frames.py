@@ -218,6 +218,32 @@ async def test_a_server_error_frame_with_an_unknown_reason_keeps_its_name() -> N
         raw.close()
 
 
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 400 Bad Request\r\n\r\n",                  # another program on the port
+    b"\x00\x00\x12\x04\x00\x00\x00\x00\x00",         # an HTTP/2 (gRPC) server's SETTINGS frame
+    frame(MESSAGE, b"\xff\xff\xff"),                       # a message that does not decode
+])
+async def test_a_server_that_is_not_a_frame_stream_is_retryable_and_told(answer: bytes) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+        await writer.drain()
+        await asyncio.sleep(1)
+        writer.close()
+
+    raw = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = raw.sockets[0].getsockname()[1]
+    told: list[BaseException] = []
+    try:
+        with pytest.raises(TokenrelayError) as info:
+            await asyncio.wait_for(_drain(FrameCall("127.0.0.1", port, _requests("a"), Outbound.FromString,
+                                                    on_connect_failed=told.append)), 5)
+        # never a client error (MALFORMED_MESSAGE) for what the server sent: retried elsewhere instead
+        assert info.value.reason == Reason.UPSTREAM_UNAVAILABLE and info.value.retryable, info.value
+        assert len(told) == 1
+    finally:
+        raw.close()
+
+
 async def test_stop_gives_open_streams_their_grace_then_cancels_them() -> None:
     finished = asyncio.Event()
 
