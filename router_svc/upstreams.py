@@ -139,6 +139,7 @@ class EngineReplica:
     mux: MuxClient[EngineChunk] = field(init=False)
 
     def __post_init__(self) -> None:
+        self._frame_host = frame_host(self.address)     # where its frame port is ("" = nowhere)
         self.mux = MuxClient(f"engine-{self.address}", self._open_stream, _engine_build, _engine_split,
                              on_message=self._on_message, max_wake_delay=self.wake_delay, convert=self._chunk,
                              merge=_engine_merge)
@@ -146,19 +147,18 @@ class EngineReplica:
     @property
     def transport(self) -> str:
         """What the next stream opens: ``frames`` (the engine's frame port) or ``grpc``."""
-        host = frame_host(self.address)
-        if self.frame_port and host and time.monotonic() >= self.frames_off_until:
+        if self.frame_port and self._frame_host and time.monotonic() >= self.frames_off_until:
             return "frames"
         return "grpc"
 
     def _open_stream(self, requests: AsyncIterator[engine_pb2.EngineInbound]) -> Any:
         """The multiplexed stream's call: on the engine's frame port when it has one (services/frames.py),
-        else its gRPC `Stream`. A frame port that cannot be connected to is left alone for
-        `FRAMES_RETRY` seconds, and that stream goes over gRPC instead (nothing was sent on it yet)."""
+        else its gRPC `Stream`. A frame port that is no frame stream (services/frames.py) is left alone
+        for `FRAMES_RETRY` seconds; one that refuses hands its stream to gRPC (nothing was sent on it yet)."""
         if self.transport == "frames":
             metrics.ENGINE_STREAMS.labels("frames").inc()
-            return FrameCall(frame_host(self.address), self.frame_port, requests, engine_pb2.EngineOutbound.FromString,
-                             what=f"engine {self.address} frame port", on_connect_failed=self._frames_failed,
+            return FrameCall(self._frame_host, self.frame_port, requests, engine_pb2.EngineOutbound.FromString,
+                             what=f"engine {self.address} frame port", on_unusable=self._frames_unusable,
                              fallback=self._grpc_stream)
         return self._grpc_stream(requests)
 
@@ -166,7 +166,7 @@ class EngineReplica:
         metrics.ENGINE_STREAMS.labels("grpc").inc()
         return self.stub.Stream(requests)
 
-    def _frames_failed(self, exc: BaseException) -> None:
+    def _frames_unusable(self, exc: BaseException) -> None:
         self.frames_off_until = time.monotonic() + FRAMES_RETRY
         log.warning("engine_frame_port_unreachable", address=self.address, port=self.frame_port,
                     error=str(exc) or type(exc).__name__, retry_in=FRAMES_RETRY)

@@ -90,19 +90,20 @@ class FrameCall(Generic[M]):
     iterated, writes every message of ``requests`` as it comes and an END frame when they run out.
     Failures raise `TokenrelayError`: UPSTREAM_UNAVAILABLE for a connection that cannot be opened, is
     lost or carries what is not a frame stream; the server's own reason for an ERROR frame.
-    ``on_connect_failed`` hears a connection that could not be opened (or spoke something else);
+    ``on_unusable`` hears a port that is no frame stream: the connection could not be opened, spoke
+    something else, or closed before its first frame;
     then, with a ``fallback``, the call is ``fallback(requests)`` instead (the router's gRPC call:
     nothing was sent yet, so no request is lost), and its responses and failures are this call's."""
 
     def __init__(self, host: str, port: int, requests: AsyncIterator[Message], parse: Callable[[bytes], M],
-                 *, what: str = "frames", on_connect_failed: Callable[[BaseException], None] | None = None,
+                 *, what: str = "frames", on_unusable: Callable[[BaseException], None] | None = None,
                  fallback: Callable[[Any], Any] | None = None,
                  connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self._host, self._port = host, port
         self._requests = requests
         self._parse = parse
         self._what = what
-        self._on_connect_failed = on_connect_failed
+        self._on_unusable = on_unusable
         self._fallback = fallback
         self._instead: Any = None          # the fallback's call, once it took over
         self._connect_timeout = connect_timeout
@@ -119,6 +120,10 @@ class FrameCall(Generic[M]):
         if self._writer is not None:
             self._writer.close()
         return True
+
+    def _unusable(self, exc: BaseException) -> None:
+        if self._on_unusable is not None:
+            self._on_unusable(exc)
 
     def _lost(self, why: object) -> TokenrelayError:
         return Reason.UPSTREAM_UNAVAILABLE.error(f"{self._what} {self._host}:{self._port}: {why}")
@@ -141,8 +146,7 @@ class FrameCall(Generic[M]):
             reader, writer = await asyncio.wait_for(asyncio.open_connection(self._host, self._port),
                                                     self._connect_timeout)
         except (OSError, asyncio.TimeoutError) as exc:
-            if self._on_connect_failed is not None:
-                self._on_connect_failed(exc)
+            self._unusable(exc)
             if self._fallback is None or self._cancelled:
                 raise self._lost(f"cannot connect: {exc or type(exc).__name__}") from exc
             self._instead = self._fallback(self._requests)
@@ -162,14 +166,13 @@ class FrameCall(Generic[M]):
                     kind, payload = await read_frame(reader)
                     message = _parse(self._parse, payload) if kind == MESSAGE else None
                 except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-                    if not framed and not self._cancelled and self._on_connect_failed is not None:
-                        self._on_connect_failed(exc)     # closed on us before a frame: not a frame port
+                    if not framed and not self._cancelled:
+                        self._unusable(exc)     # closed on us before a frame: not a frame port
                     raise self._lost("connection lost") from exc
                 except TokenrelayError as exc:
                     # The server broke the protocol (another program on that port, say): not the
                     # requests' fault. Retryable, and the port is left alone like one that refuses.
-                    if self._on_connect_failed is not None:
-                        self._on_connect_failed(exc)
+                    self._unusable(exc)
                     raise self._lost(f"not a tokenrelay frame stream: {exc.message}") from exc
                 framed = True
                 if message is not None:

@@ -94,7 +94,7 @@ async def test_a_refused_connection_is_upstream_unavailable_and_is_told() -> Non
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     failed: list[BaseException] = []
-    call = FrameCall("127.0.0.1", port, _requests("a"), Outbound.FromString, on_connect_failed=failed.append)
+    call = FrameCall("127.0.0.1", port, _requests("a"), Outbound.FromString, on_unusable=failed.append)
     with pytest.raises(TokenrelayError) as info:
         await _drain(call)
     assert info.value.reason == Reason.UPSTREAM_UNAVAILABLE and info.value.retryable
@@ -113,7 +113,7 @@ async def test_a_refused_connection_with_a_fallback_is_the_fallbacks_call() -> N
         yield Outbound(chunks=[engine_pb2.TokenChunk(request_id=r) for r in ids])
 
     failed: list[BaseException] = []
-    call = FrameCall("127.0.0.1", port, _requests("a", "b"), Outbound.FromString, on_connect_failed=failed.append,
+    call = FrameCall("127.0.0.1", port, _requests("a", "b"), Outbound.FromString, on_unusable=failed.append,
                      fallback=fallback_call)
     got = [c.request_id async for m in call for c in m.chunks]
     assert got == ["a", "b"] and taken == [["a", "b"]] and len(failed) == 1
@@ -236,7 +236,7 @@ async def test_a_server_that_is_not_a_frame_stream_is_retryable_and_told(answer:
     try:
         with pytest.raises(TokenrelayError) as info:
             await asyncio.wait_for(_drain(FrameCall("127.0.0.1", port, _requests("a"), Outbound.FromString,
-                                                    on_connect_failed=told.append)), 5)
+                                                    on_unusable=told.append)), 5)
         # never a client error (MALFORMED_MESSAGE) for what the server sent: retried elsewhere instead
         assert info.value.reason == Reason.UPSTREAM_UNAVAILABLE and info.value.retryable, info.value
         assert len(told) == 1

@@ -20,7 +20,7 @@ from router_svc import metrics
 from router_svc.types import Sampling
 from router_svc.upstreams import EnginePool, EngineReplica, frame_host
 from services.channels import open_channel
-from services.frames import FrameCall
+from services.frames import ERROR, MAGIC, MESSAGE, FrameCall, frame, read_frame
 from services.mux import StreamBroken
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.engine.conftest import FAST
@@ -91,7 +91,6 @@ async def test_a_malformed_frame_ends_the_stream_with_its_reason_and_aborts_its_
     engine, server = engine_server
     port = await _frame_port(server.address)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    from services.frames import MAGIC, MESSAGE, frame, read_frame
     request = engine_pb2.EngineInbound(submit=[engine_pb2.EngineRequest(
         request_id="x", prompt_token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=500,
                                                                                 ignore_eos=True))])
@@ -106,7 +105,7 @@ async def test_a_malformed_frame_ends_the_stream_with_its_reason_and_aborts_its_
     except asyncio.IncompleteReadError:
         pass
     writer.close()
-    assert kinds[-1] == 2 and payload.startswith(b"MALFORMED_MESSAGE\0")
+    assert kinds[-1] == ERROR and payload.startswith(b"MALFORMED_MESSAGE\0")
     assert engine.live == 0
 
 

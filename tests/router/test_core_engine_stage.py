@@ -256,7 +256,7 @@ async def test_a_client_gone_in_the_loop_turn_after_the_submit_leaves_nothing_be
     a = c.engines.replicas["a"]
     assert len(a.submitted) == 1 and a.aborted == a.submitted and a.released == a.submitted
     session = c.detok.sessions[a.submitted[0]]
-    assert not session.started and session.closed is False
+    assert not session.started and session.closed is False      # closed, with nothing to flush
     assert c.admission.held == set() and c.router.in_flight == 0
     await asyncio.sleep(0)
     assert asyncio.all_tasks() - before == set()
