@@ -270,6 +270,7 @@ class Load:
     t0: float            # wall clock (time.time()) at which every process starts sending
     min_delta_tokens: int = 0   # the mesh's clients ask for coarser deltas (service-to-service callers)
     gap: float = 0.0            # seconds each stream waits after a request (0: back to back)
+    mesh_calls: str = "call"    # "stream": each load process puts its requests on one open Stream call per router
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -320,6 +321,71 @@ async def _drive_mesh(load: Load, address: str, streams: int, stats: dict[str, A
                 await asyncio.sleep(load.gap)
 
     await asyncio.gather(*(one_stream() for _ in range(streams)))
+    await channel.close()
+
+
+async def _drive_mesh_stream(load: Load, address: str, streams: int, stats: dict[str, Any]) -> None:
+    """The same closed loop over the router's Stream API: one open call per load process and router, each
+    request on it (a client message is then one StreamResponse, which may carry many requests' deltas)."""
+    from services.channels import open_channel
+    from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+    from services.security import PLAINTEXT
+
+    channel = open_channel(address, PLAINTEXT)
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    metadata = (("authorization", f"Bearer {API_KEY}"),)
+    sampling = common_pb2.SamplingParams(max_tokens=load.max_tokens, ignore_eos=True)
+    outbox: asyncio.Queue[inference_pb2.StreamSubmit | None] = asyncio.Queue()
+    begin, end = stats["begin"], stats["end"]
+    started: dict[str, float] = {}
+    seq = 0
+
+    def submit() -> None:
+        nonlocal seq
+        seq += 1
+        rid = f"{os.getpid()}-{seq}"
+        started[rid] = time.monotonic()
+        outbox.put_nowait(inference_pb2.StreamSubmit(request=inference_pb2.GenerateRequest(
+            prompt=load.prompt, request_id=rid, min_delta_tokens=load.min_delta_tokens, sampling=sampling)))
+
+    async def outbound() -> Any:
+        while (item := await outbox.get()) is not None:
+            batch = [item]
+            while not outbox.empty() and (nxt := outbox.get_nowait()) is not None:
+                batch.append(nxt)
+            yield inference_pb2.StreamRequest(submit=batch)
+
+    for _ in range(streams):
+        submit()
+    first_seen: set[str] = set()
+    loop = asyncio.get_running_loop()
+    call = stub.Stream(outbound(), metadata=metadata)
+    async for msg in call:
+        now = time.monotonic()
+        for ev in msg.events:
+            rid, kind = ev.request_id, ev.WhichOneof("event")
+            if kind == "delta":
+                if rid not in first_seen:
+                    first_seen.add(rid)
+                    if begin <= started[rid] < end:
+                        stats["ttft"].append(now - started[rid])
+                if begin <= now < end:
+                    stats["tokens"] += len(ev.delta.text)
+                    stats["by_address"][address] = stats["by_address"].get(address, 0) + len(ev.delta.text)
+            elif kind in ("done", "error"):
+                if kind == "error":
+                    stats["errors"] += 1
+                    stats["last_error"] = f"{ev.error.code} {ev.error.reason}"
+                elif begin <= started[rid] < end:
+                    stats["requests"] += 1
+                first_seen.discard(rid)
+                del started[rid]
+                if now < end:
+                    loop.call_later(load.gap, submit) if load.gap else submit()
+                elif not started:
+                    outbox.put_nowait(None)
+        if begin <= now < end:
+            stats["messages"] += 1
     await channel.close()
 
 
@@ -406,6 +472,8 @@ def _client(load: Load, plan: list[tuple[str, int]], cpus: list[int], results: A
                              "messages": 0, "tokens": 0, "chunks": 0, "requests": 0, "errors": 0, "last_error": "",
                              "by_address": {}}
     drive = _drive_engine if load.target == "engine" else _drive_mesh   # the bare server: the mesh's client
+    if load.target == "mesh" and load.mesh_calls == "stream":
+        drive = _drive_mesh_stream
 
     async def drive_all() -> None:
         await asyncio.gather(*(drive(load, address, n, stats) for address, n in plan))
@@ -519,7 +587,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                    "bare": ([mesh.bare], [mesh.bare_pid])}[target]
                 load = Load(target, addresses, streams, args.max_tokens, args.prompt, args.warmup, args.duration,
                             time.time() + 1.5, args.min_delta_tokens if target == "mesh" else 0,
-                            args.gap_ms / 1000)
+                            args.gap_ms / 1000, args.mesh_calls)
                 other = {} if target != "mesh" else {"redis": [procs.procs["redis"].pid],
                                                       "tokenizers": mesh.tokenizer_pids, "engines": mesh.engine_pids}
                 row = run_load(load, args.clients, client_cpus, pids, mesh.engine_metrics, other_pids=other,
@@ -594,6 +662,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-delta-tokens", type=int, default=0, help="the mesh's clients ask for deltas of at least "
                    "this many tokens (GenerateRequest.min_delta_tokens: a service-to-service caller); 0 = every "
                    "delta as soon as it is ready")
+    p.add_argument("--mesh-calls", choices=["call", "stream"], default="call", help="the mesh's clients: one "
+                   "Generate call per request, or every request of a load process on one open Stream call per "
+                   "router (many requests' deltas per client message)")
     p.add_argument("--gap-ms", type=float, default=0.0, help="each stream waits this long after a request "
                    "(0 = back to back; mesh and bare targets): with --streams 1, requests at light load, "
                    "whose code runs cold")

@@ -201,6 +201,9 @@ class LimitSettings(Section):
                                              "(lower latency at light load for a core of the router's own; "
                                              "0 = off; docs/architecture.md, 'Idle spin')")
     max_session_id: int = Field(128, ge=1, le=4096, description="longest session_id (characters)")
+    max_stream_requests: int = Field(1024, ge=1, le=100_000, description="most requests in flight on one "
+                                                                         "Stream call (more are refused "
+                                                                         "RESOURCE_EXHAUSTED/STREAM_FULL)")
     max_model_name: int = Field(256, ge=1, le=4096, description="longest model name (characters)")
     max_messages: int = Field(1024, ge=1, le=100_000, description="most chat messages in one request or turn "
                                                                   "(a chat session's history included)")

@@ -18,10 +18,12 @@ from services.wire import FINISH_CODES
 
 from .chat import ChatCancel, ChatIn, ChatStart, ChatStarted, ChatTurn, Sessions, run_chat
 from .pipeline import Router
+from .stream_call import StreamIn, StreamSubmit, run_stream
 from .tenants import Authenticator, Tenant, api_key_from_metadata
 from .types import Accepted, Delta, Done, Event, GenerateInput, Migrated, Sampling, TurnError
 
-_Response = TypeVar("_Response", inference_pb2.GenerateResponse, inference_pb2.ChatResponse)
+_Response = TypeVar("_Response", inference_pb2.GenerateResponse, inference_pb2.ChatResponse,
+                    inference_pb2.StreamEvent)
 
 
 def sampling_from_pb(s: common_pb2.SamplingParams) -> Sampling:
@@ -101,6 +103,26 @@ async def _chat_in(requests: AsyncIterator[inference_pb2.ChatRequest]) -> AsyncI
             yield ChatCancel()
 
 
+async def _stream_in(requests: AsyncIterator[inference_pb2.StreamRequest]) -> AsyncIterator[StreamIn]:
+    async for r in requests:
+        yield StreamIn(time.monotonic(),
+                       [StreamSubmit(generate_input_from_pb(s.request), s.timeout_ms / 1000 if s.timeout_ms else None)
+                        for s in r.submit], list(r.cancel))
+
+
+def _stream_response(batch: list[tuple[str, Event | TurnError]]) -> inference_pb2.StreamResponse:
+    response = inference_pb2.StreamResponse()
+    add = response.events.add
+    for request_id, event in batch:
+        if type(event) is Delta:
+            _delta_into(add(request_id=request_id), event)
+        elif isinstance(event, TurnError):
+            add(request_id=request_id, error=turn_error_to_pb(event))
+        else:
+            add(request_id=request_id, **event_to_pb(event))  # type: ignore[arg-type]
+    return response
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, router: Router, tenants: Authenticator) -> None:
         self.router = router
@@ -135,6 +157,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 yield inference_pb2.ChatResponse(turn_error=turn_error_to_pb(event))
             else:
                 yield inference_pb2.ChatResponse(**event_to_pb(event))  # type: ignore[arg-type]
+
+    async def Stream(self, request_iterator: AsyncIterator[inference_pb2.StreamRequest],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.StreamResponse]:
+        tenant = self._tenant(context)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        async for batch in run_stream(self.router, tenant, _stream_in(request_iterator), call_deadline=deadline,
+                                      max_requests=self.router.options.bounds.max_stream_requests):
+            yield _stream_response(batch)
 
     async def Cancel(self, request: inference_pb2.CancelRequest,
                      context: grpc.aio.ServicerContext) -> inference_pb2.CancelResponse:

@@ -35,6 +35,7 @@ class Bounds:
     max_role_chars: int = 64
     max_content_chars: int = 1_000_000
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_stream_requests: int = 1024
 
 
 DEFAULT_BOUNDS = Bounds()

@@ -7,6 +7,8 @@
         result = await client.generate("Hello", max_tokens=16)      # collected Completion
         async with client.chat(system="Be brief.") as chat:
             reply = await chat.say("Hi!", max_tokens=32)
+        async with client.open_stream() as many:      # many requests on one open call
+            results = await asyncio.gather(*(many.generate(p, max_tokens=16) for p in prompts))
 
 Every failure is raised as a `services.errors.TokenrelayError` subclass carrying the server's
 machine-readable reason (e.g. `ResourceExhausted` with reason TENANT_CONCURRENCY_LIMIT).
@@ -15,6 +17,7 @@ machine-readable reason (e.g. `ResourceExhausted` with reason TENANT_CONCURRENCY
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,9 +42,9 @@ from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb
 from services.security import PLAINTEXT, SecuritySettings
 from services.wire import FINISH_NAMES
 
-__all__ = ["Accepted", "Cancelled", "ChatSession", "Client", "Completion", "DeadlineExceeded",
-           "Finished", "InvalidArgument", "Migrated", "PermissionDenied", "Reason", "ResourceExhausted", "Sampling",
-           "TextDelta", "TokenrelayError", "Unauthenticated", "Unavailable", "collect"]
+__all__ = ["Accepted", "Cancelled", "ChatSession", "Client", "Completion", "DeadlineExceeded", "Finished",
+           "InvalidArgument", "Migrated", "PermissionDenied", "Reason", "RequestStream", "ResourceExhausted",
+           "Sampling", "TextDelta", "TokenrelayError", "Unauthenticated", "Unavailable", "collect"]
 PRIORITIES = {"": common_pb2.PRIORITY_UNSPECIFIED, "low": common_pb2.PRIORITY_LOW,
               "normal": common_pb2.PRIORITY_NORMAL, "high": common_pb2.PRIORITY_HIGH}
 
@@ -161,6 +164,30 @@ def _messages(messages: Sequence[tuple[str, str]] | Sequence[dict[str, str]]) ->
     return out
 
 
+def _request(prompt: str | None, messages: Any, token_ids: Sequence[int] | None, sampling: Sampling,
+             priority: str, session_id: str, request_id: str, return_token_ids: bool, min_delta_tokens: int = 0,
+             min_delta_interval_ms: int = 0) -> inference_pb2.GenerateRequest:
+    given = sum(x is not None for x in (prompt, messages, token_ids))
+    if given != 1:
+        raise Reason.MISSING_INPUT.error("pass exactly one of prompt, messages, token_ids")
+    req = inference_pb2.GenerateRequest(sampling=sampling.to_pb(), priority=PRIORITIES[priority],
+                                        session_id=session_id, request_id=request_id,
+                                        return_token_ids=return_token_ids, min_delta_tokens=min_delta_tokens,
+                                        min_delta_interval_ms=min_delta_interval_ms)
+    if prompt is not None:
+        req.prompt = prompt
+    elif messages is not None:
+        req.messages.messages.extend(_messages(messages))
+    else:
+        req.token_ids.ids.extend(token_ids or [])
+    return req
+
+
+def _raise_error(e: inference_pb2.TurnError) -> None:
+    raise error_for(e.reason, e.message, code=getattr(grpc.StatusCode, e.code, None),
+                    retry_after=e.retry_after_ms / 1000 if e.retry_after_ms else None)
+
+
 class Client:
     def __init__(self, address: str, api_key: str, *, timeout: float | None = None,
                  security: SecuritySettings = PLAINTEXT) -> None:
@@ -179,25 +206,6 @@ class Client:
     async def close(self) -> None:
         await self._channel.close()
 
-    def _request(self, prompt: str | None, messages: Any, token_ids: Sequence[int] | None,
-                 sampling: Sampling, priority: str, session_id: str, request_id: str,
-                 return_token_ids: bool, min_delta_tokens: int = 0,
-                 min_delta_interval_ms: int = 0) -> inference_pb2.GenerateRequest:
-        given = sum(x is not None for x in (prompt, messages, token_ids))
-        if given != 1:
-            raise Reason.MISSING_INPUT.error("pass exactly one of prompt, messages, token_ids")
-        req = inference_pb2.GenerateRequest(sampling=sampling.to_pb(), priority=PRIORITIES[priority],
-                                            session_id=session_id, request_id=request_id,
-                                            return_token_ids=return_token_ids, min_delta_tokens=min_delta_tokens,
-                                            min_delta_interval_ms=min_delta_interval_ms)
-        if prompt is not None:
-            req.prompt = prompt
-        elif messages is not None:
-            req.messages.messages.extend(_messages(messages))
-        else:
-            req.token_ids.ids.extend(token_ids or [])
-        return req
-
     async def stream(self, prompt: str | None = None, *, messages: Any = None,
                      token_ids: Sequence[int] | None = None, priority: str = "", session_id: str = "",
                      request_id: str = "", return_token_ids: bool = False, timeout: float | None = None,
@@ -205,8 +213,8 @@ class Client:
                      **sampling: Any) -> AsyncIterator[Event]:
         """Stream events: `Accepted`, then `TextDelta`s, then `Finished`. Breaking out cancels.
         `min_delta_tokens` / `min_delta_interval_ms`: coarser deltas (service-to-service callers)."""
-        req = self._request(prompt, messages, token_ids, Sampling(**sampling), priority, session_id,
-                            request_id, return_token_ids, min_delta_tokens, min_delta_interval_ms)
+        req = _request(prompt, messages, token_ids, Sampling(**sampling), priority, session_id,
+                       request_id, return_token_ids, min_delta_tokens, min_delta_interval_ms)
         call = self._stub.Generate(req, metadata=self._metadata, timeout=timeout or self._timeout)
         try:
             async for msg in call:
@@ -228,6 +236,11 @@ class Client:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return resp.cancelled
+
+    def open_stream(self, *, timeout: float | None = None) -> RequestStream:
+        """Many requests on one open `Stream` call (`async with client.open_stream() as s:`): no call
+        set up per request, and the router sends many requests' events per message."""
+        return RequestStream(self._stub, self._metadata, timeout or self._timeout)
 
     def chat(self, *, session_id: str = "", system: str | None = None, priority: str = "",
              return_token_ids: bool = False) -> ChatSession:
@@ -285,9 +298,7 @@ class ChatSession:
         while True:
             msg = await self._next()
             if msg.WhichOneof("event") == "turn_error":
-                e = msg.turn_error
-                raise error_for(e.reason, e.message, code=getattr(grpc.StatusCode, e.code, None),
-                                retry_after=e.retry_after_ms / 1000 if e.retry_after_ms else None)
+                _raise_error(msg.turn_error)
             event = _event(msg)
             if event is None:
                 continue
@@ -301,3 +312,101 @@ class ChatSession:
     def cancel_turn(self) -> None:
         self._outbox.put_nowait(inference_pb2.ChatRequest(cancel=inference_pb2.ChatCancel()))
 
+
+
+_CLOSED = object()
+
+
+class RequestStream:
+    """Requests multiplexed on one `Stream` call. `stream()` / `generate()` may run from many tasks
+    at once; breaking out of `stream()` cancels that request; leaving the `async with` ends the call
+    (what is still in flight is cancelled). A request's failure raises its typed error there; a
+    call that ends (the router gone, a deadline) raises in every request still waiting."""
+
+    def __init__(self, stub: inference_pb2_grpc.InferenceStub, metadata: Any, timeout: float | None) -> None:
+        self._stub, self._metadata, self._timeout = stub, metadata, timeout
+        self._outbox: asyncio.Queue[inference_pb2.StreamRequest | None] = asyncio.Queue()
+        self._waiting: dict[str, asyncio.Queue[Any]] = {}
+        self._call: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._failure: TokenrelayError | None = None
+
+    async def _requests(self) -> AsyncIterator[inference_pb2.StreamRequest]:
+        while (item := await self._outbox.get()) is not None:
+            while not self._outbox.empty():   # everything queued meanwhile goes in one message
+                more = self._outbox.get_nowait()
+                if more is None:
+                    yield item
+                    return
+                item.submit.extend(more.submit)
+                item.cancel.extend(more.cancel)
+            yield item
+
+    async def _read(self) -> None:
+        try:
+            async for response in self._call:
+                for event in response.events:
+                    waiting = self._waiting.get(event.request_id)
+                    if waiting is not None:
+                        waiting.put_nowait(event)
+            self._failure = Reason.STREAM_CLOSED.error("the Stream call ended")
+        except grpc.aio.AioRpcError as exc:
+            self._failure = from_rpc_error(exc)
+        except asyncio.CancelledError:
+            self._failure = Reason.STREAM_CLOSED.error("the Stream call was closed")
+            raise
+        finally:
+            for waiting in self._waiting.values():
+                waiting.put_nowait(_CLOSED)
+
+    async def __aenter__(self) -> RequestStream:
+        self._call = self._stub.Stream(self._requests(), metadata=self._metadata, timeout=self._timeout)
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._outbox.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def stream(self, prompt: str | None = None, *, messages: Any = None,
+                     token_ids: Sequence[int] | None = None, priority: str = "", session_id: str = "",
+                     request_id: str = "", return_token_ids: bool = False, timeout: float | None = None,
+                     min_delta_tokens: int = 0, min_delta_interval_ms: int = 0,
+                     **sampling: Any) -> AsyncIterator[Event]:
+        """As `Client.stream`, on this call; `timeout` is this request's own deadline."""
+        if self._failure is not None:
+            raise self._failure
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._waiting:
+            raise Reason.DUPLICATE_REQUEST_ID.error("request_id already in flight on this Stream call")
+        req = _request(prompt, messages, token_ids, Sampling(**sampling), priority, session_id, rid,
+                       return_token_ids, min_delta_tokens, min_delta_interval_ms)
+        waiting: asyncio.Queue[Any] = asyncio.Queue()
+        self._waiting[rid] = waiting
+        self._outbox.put_nowait(inference_pb2.StreamRequest(submit=[inference_pb2.StreamSubmit(
+            request=req, timeout_ms=max(1, round(timeout * 1000)) if timeout else 0)]))
+        finished = False
+        try:
+            while True:
+                msg = await waiting.get()
+                if msg is _CLOSED:
+                    raise self._failure or Reason.STREAM_CLOSED.error("the Stream call ended")
+                if msg.WhichOneof("event") == "error":
+                    finished = True
+                    _raise_error(msg.error)
+                event = _event(msg)
+                if event is not None:
+                    yield event
+                if isinstance(event, Finished):
+                    finished = True
+                    return
+        finally:
+            del self._waiting[rid]
+            if not finished and self._failure is None:
+                self._outbox.put_nowait(inference_pb2.StreamRequest(cancel=[rid]))
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        return await collect(self.stream(prompt, **kwargs))

@@ -198,6 +198,8 @@ class Reason(StrEnum):
     INVALID_TOKEN_ID = "INVALID_TOKEN_ID", _client(InvalidArgument, "a token id beyond the vocabulary")
     INVALID_REQUEST_ID = "INVALID_REQUEST_ID", _client(InvalidArgument, "request id too long")
     DUPLICATE_REQUEST_ID = "DUPLICATE_REQUEST_ID", _client(InvalidArgument, "request id already in flight")
+    MISSING_REQUEST_ID = "MISSING_REQUEST_ID", _client(InvalidArgument, "a request on a Stream call without "
+                                                       "its request id")
     INPUT_TOO_LARGE = "INPUT_TOO_LARGE", _client(InvalidArgument, "an input over the tokenizer's byte limit")
     NO_CHAT_TEMPLATE = "NO_CHAT_TEMPLATE", _client(InvalidArgument, "messages, but the model has no chat template")
     CHAT_TEMPLATE_ERROR = "CHAT_TEMPLATE_ERROR", _client(InvalidArgument,
@@ -228,6 +230,8 @@ class Reason(StrEnum):
                                                                "the tenant's whole tokens_per_minute")
     QUEUE_WAIT_EXCEEDS_DEADLINE = "QUEUE_WAIT_EXCEEDS_DEADLINE", _client(
         ResourceExhausted, "the estimated queue wait is beyond the request's deadline (or --max-queue-wait)")
+    STREAM_FULL = "STREAM_FULL", _client(ResourceExhausted, "a Stream call already has its most requests in "
+                                         "flight (--max-stream-requests)", retry_after=0.1)
     QUEUE_ENTRY_LOST = "QUEUE_ENTRY_LOST", _client(Unavailable, "the request's queue entry expired (its router "
                                                    "missed its keep-alives)", retry_after=0.1)
     ADMISSION_STORE_FULL = "ADMISSION_STORE_FULL", _client(Unavailable, "the admission store (Redis) is at "

@@ -8,6 +8,8 @@ import asyncio
 import json
 import pathlib
 
+import pytest
+
 from tests import artefacts
 from tests.bench.benchkit import bench_args
 from tests.tiny_model import build_model
@@ -15,7 +17,9 @@ from tokenrelay_tools.bench.cli import run_bench
 from tokenrelay_tools.cli.launcher import Mesh, MeshOptions
 
 
-async def test_compare_against_a_real_mesh(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("calls", ["call", "stream"])
+async def test_compare_against_a_real_mesh(tmp_path: pathlib.Path, calls: str) -> None:
+    """`--mesh-calls stream`: the same chats as Generate requests on one open Stream call."""
     # stories260K's context is 512 tokens; the tiny model's tokenizer is coarser (its vocabulary knows four
     # sentences), so the same chats need a longer context.
     stories = artefacts.optional("stories260K")
@@ -30,7 +34,7 @@ async def test_compare_against_a_real_mesh(tmp_path: pathlib.Path) -> None:
         out = tmp_path / "report.json"
         args = bench_args("--workload", "chat-multiturn", "--compare", "--state-file", str(state), "--requests", "16",
                      "--concurrency", "4", "--length-scale", "0.3", "--slo-ttft", "2", "--json", str(out),
-                     "--no-progress")
+                     "--no-progress", "--mesh-calls", calls)
         assert await run_bench(args) == 0
     finally:
         await asyncio.to_thread(mesh.stop, 5.0)
@@ -44,3 +48,4 @@ async def test_compare_against_a_real_mesh(tmp_path: pathlib.Path) -> None:
     assert mesh_run["summary"]["queue"]["n"] == 16 and engine_run["summary"]["queue"] is None
     assert mesh_run["summary"]["server_ttft"]["p50"] <= mesh_run["summary"]["ttft"]["p50"]
     assert mesh_run["target"]["chars_per_token"] > 0 and mesh_run["target"]["max_context"] == context
+    assert mesh_run["target"]["calls"] == calls

@@ -56,6 +56,19 @@ def test_the_bare_baseline_and_coarse_deltas(tmp_path: pathlib.Path) -> None:
     assert "ratio_to_bare" not in bare
 
 
+def test_the_mesh_over_the_stream_api_carries_many_requests_per_message(tmp_path: pathlib.Path) -> None:
+    """`--mesh-calls stream`: each load process puts its requests on one open Stream call, so a client
+    message carries the deltas of the requests ready together (one token each per 2 ms step here)."""
+    out = tmp_path / "relay.json"
+    assert bench_relay.main(["--streams", "8", "--duration", "1.5", "--warmup", "0.5", "--clients", "2",
+                             "--max-tokens", "32", "--step-ms", "2", "--targets", "mesh", "--mesh-calls", "stream",
+                             "--json-out", str(out)]) == 0
+    (mesh,) = json.loads(out.read_text())["rows"]
+    assert mesh["errors"] == 0, mesh["last_error"]
+    assert mesh["requests"] > 0 and mesh["tokens_per_s"] > 0 and 0 < mesh["ttft_p50_ms"] <= mesh["ttft_p99_ms"]
+    assert mesh["tokens_per_message"] >= 2.0, mesh
+
+
 def test_a_gap_between_requests_paces_each_stream(tmp_path: pathlib.Path) -> None:
     """`--gap-ms`: each stream waits that long after a request (requests at light load, whose code
     runs cold); back to back, the bare server answers thousands in the same window."""

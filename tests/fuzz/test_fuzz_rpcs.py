@@ -1,7 +1,7 @@
 """Fuzz every RPC of every service (issue 15) with generated and malformed messages.
 
 Real processes, started once for the module: a byte-level tokenizer, a sim engine (no pacing) and
-a router with a real redis-server. Every RPC they serve — Inference.Generate / Chat / Cancel,
+a router with a real redis-server. Every RPC they serve — Inference.Generate / Chat / Cancel / Stream,
 Tokenizer.Tokenize / Detokenize / Info, Engine.Stream / Abort / GetLoad / SubscribeKvEvents, and on
 each process grpc.health.v1 Check / Watch / List and server reflection — gets hypothesis-generated
 messages built from its proto descriptors (`protofuzz.messages`: bounds, NaN / inf, huge strings and
@@ -142,7 +142,8 @@ def _metadata(rpc: Rpc) -> st.SearchStrategy[Any]:
 
 
 def _seeds() -> dict[str, list[Any]]:
-    """Valid requests of each RPC, for `near` to start from (the key: the method's name)."""
+    """Valid requests of each RPC, for `near` to start from (the key: the method's name, or the service's
+    and the method's where two services share a method name)."""
     sampling = common_pb2.SamplingParams(max_tokens=8)
     user = [common_pb2.ChatMessage(role="user", content="hello")]
     ir, tk, en = inference_pb2, tokenizer_pb2, engine_pb2
@@ -154,6 +155,9 @@ def _seeds() -> dict[str, list[Any]]:
                  ir.ChatRequest(turn=ir.ChatTurn(messages=user, sampling=sampling)),
                  ir.ChatRequest(cancel=ir.ChatCancel())],
         "Cancel": [ir.CancelRequest(request_id="r1")],
+        "Inference.Stream": [ir.StreamRequest(submit=[ir.StreamSubmit(request=ir.GenerateRequest(
+                                 prompt="hello", sampling=sampling, request_id="s1"), timeout_ms=5000)]),
+                             ir.StreamRequest(cancel=["s1"])],
         "Tokenize": [tk.TokenizeRequest(inputs=[tk.TokenizeInput(text="hello")]),
                      tk.TokenizeRequest(inputs=[tk.TokenizeInput(chat=tk.ChatMessages(messages=user,
                                                                                     add_generation_prompt=True))],
@@ -177,9 +181,13 @@ def _seeds() -> dict[str, list[Any]]:
 SEEDS = _seeds()
 
 
+def _seed(rpc: Rpc) -> list[Any]:
+    return SEEDS.get(f"{rpc.method.containing_service.name}.{rpc.method.name}") or SEEDS[rpc.method.name]
+
+
 def _payloads(rpc: Rpc) -> st.SearchStrategy[tuple[str, bytes]]:
     desc = rpc.method.input_type
-    kinds = {"near-valid": near(SEEDS[rpc.method.name]).map(lambda m: m.SerializeToString()),
+    kinds = {"near-valid": near(_seed(rpc)).map(lambda m: m.SerializeToString()),
              "generated": messages(desc).map(lambda m: m.SerializeToString()), "malformed": malformed(desc)}
     # Half near-valid (the deeper paths), a fifth generated from scratch, the rest malformed.
     return st.sampled_from(["near-valid"] * 5 + ["generated"] * 2 + ["malformed"] * 3).flatmap(
@@ -191,7 +199,7 @@ def _inputs(rpc: Rpc) -> st.SearchStrategy[list[tuple[str, bytes]]]:
     if not rpc.method.client_streaming:
         return payloads.map(lambda p: [p])
     # Half the streams open with the RPC's first valid message (a chat's `start`), so later ones count.
-    opening = ("near-valid", SEEDS[rpc.method.name][0].SerializeToString())
+    opening = ("near-valid", _seed(rpc)[0].SerializeToString())
     return st.tuples(st.booleans(), st.lists(payloads, min_size=1, max_size=4)).map(
         lambda t: [opening, *t[1]] if t[0] else t[1])
 

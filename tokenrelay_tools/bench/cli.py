@@ -93,6 +93,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--chat-api", choices=MeshTarget.CHAT_APIS, default="messages",
                    help="mesh chats: Generate with messages + session id (exact ITL), the bidi Chat API "
                         "(exact ITL too: it asks for token ids), or plain text + session id")
+    t.add_argument("--mesh-calls", choices=MeshTarget.CALLS, default="call",
+                   help="mesh requests (completions, and chats with --chat-api messages or text): one Generate "
+                        "call each, or all on one open Stream call per API key (as the engine alone's requests "
+                        "go on one open stream)")
     t.add_argument("--chars-per-token", type=float, default=0.0,
                    help="prompt sizing for the mesh (0 = calibrate against the mesh's tokenizer)")
     t.add_argument("--engine-address", default="", help="engine_svc host:port (default: the mesh's engine)")
@@ -223,7 +227,7 @@ def _targets(args: argparse.Namespace, state: _State) -> dict[str, Target]:
             keys, default = _keys(args, state)
             out[name] = MeshTarget(args.address or state.get("router", "--address"), keys, default,
                                    chat_api=args.chat_api, chars_per_token=args.chars_per_token,
-                                   max_context=args.max_context)
+                                   max_context=args.max_context, calls=args.mesh_calls)
     for address in (getattr(t, "address", "") for t in out.values()):
         host = address.rpartition(":")[0].strip("[]")
         if host not in ("127.0.0.1", "localhost", "::1"):

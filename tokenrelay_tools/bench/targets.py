@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from services.channels import open_channel
-from services.client import Client, Finished, TextDelta
+from services.client import Client, Finished, RequestStream, TextDelta
 from services.errors import Reason, in_band_error
 from services.mux import MuxClient, StreamBroken
 from services.proto.tokenrelay.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -93,11 +93,16 @@ class MeshTarget(Target):
 
     name = "mesh"
     CHAT_APIS = ("messages", "chat", "text")
+    CALLS = ("call", "stream")    # a Generate call per request, or every request on one open Stream call
 
     def __init__(self, address: str, keys: Mapping[str, str], default_key: str, *, chat_api: str = "messages",
-                 chars_per_token: float = 0.0, max_context: int = 0) -> None:
+                 chars_per_token: float = 0.0, max_context: int = 0, calls: str = "call") -> None:
         if chat_api not in self.CHAT_APIS:
             raise ValueError(f"chat_api must be one of {self.CHAT_APIS}")
+        if calls not in self.CALLS:
+            raise ValueError(f"calls must be one of {self.CALLS}")
+        self.calls = calls
+        self._streams: dict[str, RequestStream] = {}
         self.address = address
         self._keys = dict(keys)
         self._default_key = default_key
@@ -128,7 +133,20 @@ class MeshTarget(Target):
             self.chars_per_token = await calibrate_chars_per_token(count)
         self.synth = TextSynth(self.chars_per_token)
 
+    async def requests(self, tenant: str) -> Client | RequestStream:
+        """What a tenant's Generate requests go through: its client, or its client's open Stream call."""
+        client = self.client(tenant)
+        if self.calls == "call":
+            return client
+        key = self._keys.get(tenant, self._default_key)
+        if key not in self._streams:
+            self._streams[key] = await client.open_stream().__aenter__()
+        return self._streams[key]
+
     async def close(self) -> None:
+        for stream in self._streams.values():
+            await stream.__aexit__(None, None, None)
+        self._streams.clear()
         for c in self._clients.values():
             await c.close()
         self._clients.clear()
@@ -148,7 +166,7 @@ class MeshTarget(Target):
         return cls(self, plan, f"{run_id}-{plan.index}", unique)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "address": self.address, "chat_api": self.chat_api,
+        return {**super().describe(), "address": self.address, "chat_api": self.chat_api, "calls": self.calls,
                 "chars_per_token": round(self.chars_per_token, 3), "prompt_overhead_tokens": self.overhead}
 
 
@@ -210,7 +228,7 @@ class _MeshGenerate(_MeshSession):
         result: TurnResult | None = None
         # Read to the end of the stream, past `done`: leaving early would cancel the call, and the
         # router would count an already finished request as cancelled.
-        async for event in self.client.stream(**kwargs):
+        async for event in (await self.t.requests(self.plan.tenant)).stream(**kwargs):
             if isinstance(event, TextDelta):
                 observe(len(event.token_ids))
                 reply.append(event.text)

@@ -182,3 +182,41 @@ class CancelResponse(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     cancelled: bool
     def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class StreamSubmit(_message.Message):
+    __slots__ = ("request", "timeout_ms")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    timeout_ms: int
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("submit", "cancel")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    submit: _containers.RepeatedCompositeFieldContainer[StreamSubmit]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, submit: _Optional[_Iterable[_Union[StreamSubmit, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StreamEvent(_message.Message):
+    __slots__ = ("request_id", "accepted", "delta", "done", "migrated", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    accepted: Accepted
+    delta: Delta
+    done: Done
+    migrated: Migrated
+    error: TurnError
+    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., migrated: _Optional[_Union[Migrated, _Mapping]] = ..., error: _Optional[_Union[TurnError, _Mapping]] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...

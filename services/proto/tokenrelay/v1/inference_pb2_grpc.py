@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=tokenrelay_dot_v1_dot_inference__pb2.CancelRequest.SerializeToString,
                 response_deserializer=tokenrelay_dot_v1_dot_inference__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/tokenrelay.v1.Inference/Stream',
+                request_serializer=tokenrelay_dot_v1_dot_inference__pb2.StreamRequest.SerializeToString,
+                response_deserializer=tokenrelay_dot_v1_dot_inference__pb2.StreamResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -75,6 +80,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Many generations on one open call, for service-to-service callers: no call to set up per
+        request, and each response carries every event ready for any of the call's requests.
+        A half-close ends the call once its requests are done; a call that ends early cancels them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=tokenrelay_dot_v1_dot_inference__pb2.CancelRequest.FromString,
                     response_serializer=tokenrelay_dot_v1_dot_inference__pb2.CancelResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=tokenrelay_dot_v1_dot_inference__pb2.StreamRequest.FromString,
+                    response_serializer=tokenrelay_dot_v1_dot_inference__pb2.StreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class Inference:
             '/tokenrelay.v1.Inference/Cancel',
             tokenrelay_dot_v1_dot_inference__pb2.CancelRequest.SerializeToString,
             tokenrelay_dot_v1_dot_inference__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokenrelay.v1.Inference/Stream',
+            tokenrelay_dot_v1_dot_inference__pb2.StreamRequest.SerializeToString,
+            tokenrelay_dot_v1_dot_inference__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
