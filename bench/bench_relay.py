@@ -343,7 +343,7 @@ async def _drive_mesh_stream(load: Load, address: str, streams: int, stats: dict
     def submit() -> None:
         nonlocal seq
         seq += 1
-        rid = f"{os.getpid()}-{seq}"
+        rid = f"{os.getpid()}-{address}-{seq}"   # ids are the tenant's across routers: one per call
         started[rid] = time.monotonic()
         outbox.put_nowait(inference_pb2.StreamSubmit(request=inference_pb2.GenerateRequest(
             prompt=load.prompt, request_id=rid, min_delta_tokens=load.min_delta_tokens, sampling=sampling)))
