@@ -48,6 +48,8 @@ TENANTS_RELOADS = Counter("tokenrelay_router_tenants_reloads_total",
                           "Reloads of the tenants file by outcome (ok = swapped in, failed = old kept)",
                           ["outcome"])
 TENANTS = Gauge("tokenrelay_router_tenants", "Tenants in the registry being served")
+STREAM_CALLS = Gauge("tokenrelay_router_stream_calls", "Stream calls open on this router (each carries many requests)",
+                     ["tenant"])
 
 
 ITL_FLUSH_EVERY = 64     # deltas a request counts before adding them to the ITL histogram (module doc)

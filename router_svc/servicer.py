@@ -17,6 +17,7 @@ from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb
 from services.wire import FINISH_CODES
 
 from .chat import ChatCancel, ChatIn, ChatStart, ChatStarted, ChatTurn, Sessions, run_chat
+from .metrics import STREAM_CALLS
 from .pipeline import Router
 from .stream_call import StreamIn, StreamSubmit, run_stream
 from .tenants import Authenticator, Tenant, api_key_from_metadata
@@ -163,9 +164,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         tenant = self._tenant(context)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        async for batch in run_stream(self.router, tenant, _stream_in(request_iterator), call_deadline=deadline,
-                                      max_requests=self.router.options.bounds.max_stream_requests):
-            yield _stream_response(batch)
+        calls = STREAM_CALLS.labels(tenant.name)
+        calls.inc()
+        try:
+            async for batch in run_stream(self.router, tenant, _stream_in(request_iterator), call_deadline=deadline,
+                                          max_requests=self.router.options.bounds.max_stream_requests):
+                yield _stream_response(batch)
+        finally:
+            calls.dec()
 
     async def Cancel(self, request: inference_pb2.CancelRequest,
                      context: grpc.aio.ServicerContext) -> inference_pb2.CancelResponse:

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from router_svc.metrics import STREAM_CALLS
 from router_svc.tenants import Tenant
 from router_svc.validation import Bounds
 from services.client import Client, DeadlineExceeded, InvalidArgument, ResourceExhausted, TextDelta
@@ -68,6 +69,7 @@ class _Raw:
 
 async def test_many_requests_on_one_call_each_complete_and_responses_carry_several(tmp_path: pathlib.Path,
                                                                                     redis_url: str) -> None:
+    open_before = STREAM_CALLS.labels("a")._value.get()
     async with router_mesh(tmp_path, redis_url) as (stub, admission, router):
         raw = _Raw(stub)
         ids = [f"r{i}" for i in range(24)]
@@ -79,10 +81,12 @@ async def test_many_requests_on_one_call_each_complete_and_responses_carry_sever
             assert raw.tokens(r) == 12 and raw.last(r).done.usage.completion_tokens == 12
         # Requests stepped together by the engine share response messages.
         assert max(len({e.request_id for e in resp.events}) for resp in raw.responses) >= 2
+        assert STREAM_CALLS.labels("a")._value.get() == open_before + 1
         # A half-close ends the call with OK once nothing is in flight.
         raw.outbox.put_nowait(None)
         assert await raw.call.read() is grpc.aio.EOF
         assert await raw.call.code() == grpc.StatusCode.OK
+        assert STREAM_CALLS.labels("a")._value.get() == open_before
         await poll(lambda: router.in_flight == 0)
         assert await poll(lambda: _no_leases(admission, "a"), what="the leases released")
 
