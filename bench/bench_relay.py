@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,6 +325,19 @@ async def _drive_mesh(load: Load, address: str, streams: int, stats: dict[str, A
     await channel.close()
 
 
+async def _batches(outbox: asyncio.Queue[Any]) -> AsyncIterator[list[Any]]:
+    """What was queued while the previous message went out, as one batch per message; None ends."""
+    while (item := await outbox.get()) is not None:
+        batch = [item]
+        while not outbox.empty():
+            nxt = outbox.get_nowait()
+            if nxt is None:
+                yield batch
+                return
+            batch.append(nxt)
+        yield batch
+
+
 async def _drive_mesh_stream(load: Load, address: str, streams: int, stats: dict[str, Any]) -> None:
     """The same closed loop over the router's Stream API: one open call per load process and router, each
     request on it (a client message is then one StreamResponse, which may carry many requests' deltas)."""
@@ -349,10 +363,7 @@ async def _drive_mesh_stream(load: Load, address: str, streams: int, stats: dict
             prompt=load.prompt, request_id=rid, min_delta_tokens=load.min_delta_tokens, sampling=sampling)))
 
     async def outbound() -> Any:
-        while (item := await outbox.get()) is not None:
-            batch = [item]
-            while not outbox.empty() and (nxt := outbox.get_nowait()) is not None:
-                batch.append(nxt)
+        async for batch in _batches(outbox):
             yield inference_pb2.StreamRequest(submit=batch)
 
     for _ in range(streams):
@@ -413,17 +424,7 @@ async def _drive_engine(load: Load, address: str, streams: int, stats: dict[str,
                                                                                       ignore_eos=True)))
 
     async def outbound() -> Any:
-        while True:
-            item = await outbox.get()
-            if item is None:
-                return
-            batch = [item]
-            while not outbox.empty():
-                nxt = outbox.get_nowait()
-                if nxt is None:
-                    yield engine_pb2.EngineInbound(submit=batch)
-                    return
-                batch.append(nxt)
+        async for batch in _batches(outbox):
             yield engine_pb2.EngineInbound(submit=batch)
 
     for _ in range(streams):

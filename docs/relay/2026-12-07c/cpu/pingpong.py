@@ -1,8 +1,10 @@
-"""Round trip of one small message each way over an open connection between two processes at light load
-(GAP seconds between round trips): a grpc.aio bidirectional stream against asyncio streams on TCP loopback,
-both on uvloop when installed. Measures what the router's open stream to its engine costs per message
-against the socket underneath it (docs/benchmarks.md, twelfth session).
-    python docs/relay/2026-12-07c/cpu/pingpong.py grpc|raw [N] [GAP]
+"""Round trip of one small message each way between two processes at light load (GAP seconds between
+round trips): a grpc.aio bidirectional stream kept open (grpc), a new grpc.aio unary-stream call per round
+trip to its first message (call), and asyncio streams on TCP loopback (raw), on uvloop when installed.
+`grpc` against `raw`: what the router's open stream to its engine costs per message against the socket
+underneath it (docs/benchmarks.md, twelfth session); `call` (added in the thirteenth session): what a
+Generate call per request costs against a request on an open Stream call.
+    python docs/relay/2026-12-07c/cpu/pingpong.py grpc|call|raw [N] [GAP]
 """
 
 import asyncio
@@ -34,9 +36,13 @@ def grpc_server(port_q) -> None:
         async for m in it:
             yield m
 
+    async def one(req, context):
+        yield req
+
     async def main() -> None:
         server = grpc.aio.server()
-        handler = grpc.method_handlers_generic_handler("pp.PP", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})
+        handler = grpc.method_handlers_generic_handler("pp.PP", {"Echo": grpc.stream_stream_rpc_method_handler(echo),
+            "One": grpc.unary_stream_rpc_method_handler(one)})
         server.add_generic_rpc_handlers((handler,))
         port_q.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -56,6 +62,21 @@ async def grpc_client(port: int) -> list[float]:
             out.append(time.perf_counter() - t)
             await asyncio.sleep(GAP)
         await call.done_writing()
+    return out
+
+
+async def call_client(port: int) -> list[float]:
+    import grpc
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        m = ch.unary_stream("/pp.PP/One")
+        out = []
+        for _ in range(N):
+            t = time.perf_counter()
+            call = m(PAYLOAD)
+            await call.read()
+            out.append(time.perf_counter() - t)
+            await call.read()
+            await asyncio.sleep(GAP)
     return out
 
 
@@ -95,11 +116,11 @@ async def raw_client(port: int) -> list[float]:
 def main() -> None:
     kind = sys.argv[1]
     q: mp.Queue = mp.Queue()
-    p = mp.Process(target=grpc_server if kind == "grpc" else raw_server, args=(q,), daemon=True)
+    p = mp.Process(target=raw_server if kind == "raw" else grpc_server, args=(q,), daemon=True)
     p.start()
     port = q.get()
     _loop()
-    rtt = asyncio.run((grpc_client if kind == "grpc" else raw_client)(port))[20:]
+    rtt = asyncio.run({"grpc": grpc_client, "call": call_client, "raw": raw_client}[kind](port))[20:]
     p.kill()
     q_ = statistics.quantiles(rtt, n=10)
     print(f"{kind:5s} gap {GAP * 1e3:.0f} ms  round trip p50 {statistics.median(rtt) * 1e3:.3f} ms  "
