@@ -56,6 +56,23 @@ class StreamIn:
     cancels: list[str] = field(default_factory=list)
 
 
+class _MergedDelta:
+    """A request's deltas not yet written, kept as parts (joined once, when the batch is taken)."""
+
+    __slots__ = ("at", "first", "parts")
+
+    def __init__(self, at: int, first: Delta) -> None:
+        self.at, self.first = at, first
+        self.parts: list[Delta] = []
+
+    def add(self, delta: Delta) -> None:
+        self.parts.append(delta)
+
+    def delta(self) -> Delta:
+        deltas = [self.first, *self.parts]
+        return Delta("".join(d.text for d in deltas), [i for d in deltas for i in d.token_ids])
+
+
 class _Call:
     def __init__(self, router: Router, tenant: Tenant, call_deadline: float | None, max_requests: int) -> None:
         self.router, self.tenant = router, tenant
@@ -63,27 +80,34 @@ class _Call:
         self.max_requests = max_requests
         self.live: dict[str, asyncio.Task[None]] = {}
         self.out: list[StreamOut] = []
-        self._delta_at: dict[str, int] = {}      # request id -> index in `out` of its unwritten delta
+        self._merged: dict[str, _MergedDelta] = {}   # request id -> its unwritten delta in `out`
         self.wake = asyncio.Event()
         self.reading = True
-        self.failure: BaseException | None = None
+        self.failure: Exception | None = None
         self._cancels: set[asyncio.Task[None]] = set()
+        self._cancelling: set[str] = set()
 
     def emit(self, request_id: str, event: Event | TurnError) -> None:
         if type(event) is Delta:
-            at = self._delta_at.get(request_id)
-            if at is not None:   # not written yet: this request's deltas ready together go as one
-                prev = self.out[at][1]
-                assert type(prev) is Delta
-                self.out[at] = (request_id, Delta(prev.text + event.text, prev.token_ids + event.token_ids))
+            merged = self._merged.get(request_id)
+            if merged is not None:   # not written yet: this request's deltas ready together go as one
+                merged.add(event)
                 return
-            self._delta_at[request_id] = len(self.out)
+            self._merged[request_id] = _MergedDelta(len(self.out), event)
+        else:                        # deltas after this event must not be merged into one before it
+            self._seal(request_id)
         self.out.append((request_id, event))
         self.wake.set()
 
+    def _seal(self, request_id: str) -> None:
+        merged = self._merged.pop(request_id, None)
+        if merged is not None and merged.parts:
+            self.out[merged.at] = (request_id, merged.delta())
+
     def take(self) -> list[StreamOut]:
+        for request_id in list(self._merged):
+            self._seal(request_id)
         batch, self.out = self.out, []
-        self._delta_at.clear()
         self.wake.clear()
         return batch
 
@@ -135,9 +159,13 @@ class _Call:
             if task is not None and not task.done():
                 task.cancel()
                 self.emit(request_id, turn_error(Reason.CANCELLED.error(f"cancelled ({exc.reason})"), request_id))
+        finally:
+            self._cancelling.discard(request_id)
 
     def cancel(self, request_id: str) -> None:
-        if request_id in self.live:
+        # One cancel per live request at a time, however often the client names it.
+        if request_id in self.live and request_id not in self._cancelling:
+            self._cancelling.add(request_id)
             task = asyncio.create_task(self._cancel(request_id))
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
@@ -151,7 +179,7 @@ class _Call:
                     self.submit(s, msg.arrived)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - e.g. a message that does not decode: ends the call
+        except Exception as exc:  # noqa: BLE001 - e.g. a message that does not decode: ends the call
             self.failure = exc
         finally:
             self.reading = False

@@ -13,7 +13,9 @@ import grpc
 import pytest
 
 from router_svc.metrics import STREAM_CALLS
+from router_svc.stream_call import _Call
 from router_svc.tenants import Tenant
+from router_svc.types import Accepted, Delta, Migrated
 from router_svc.validation import Bounds
 from services.client import Client, DeadlineExceeded, InvalidArgument, ResourceExhausted, TextDelta
 from services.errors import REASON_KEY, Reason
@@ -254,6 +256,23 @@ async def test_a_call_without_a_valid_key_is_unauthenticated(tmp_path: pathlib.P
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
             assert dict(error.trailing_metadata() or ())[REASON_KEY] == "INVALID_API_KEY"  # type: ignore[attr-defined]
         assert router.in_flight == 0
+
+
+def test_a_requests_unwritten_deltas_merge_in_order_around_its_other_events() -> None:
+    call = _Call(None, None, None, 8)  # type: ignore[arg-type]   (emit and take need no router)
+    call.emit("a", Accepted("a", 3, 0))
+    call.emit("a", Delta("he", [1, 2]))
+    call.emit("b", Delta("x", [9]))
+    call.emit("a", Delta("llo", [3]))
+    call.emit("a", Migrated(1, 3, "ENGINE_STALLED"))
+    call.emit("a", Delta(" wo", [4]))
+    call.emit("a", Delta("rld", [5]))
+    call.emit("b", Delta("y", [10]))
+    assert call.take() == [("a", Accepted("a", 3, 0)), ("a", Delta("hello", [1, 2, 3])), ("b", Delta("xy", [9, 10])),
+                           ("a", Migrated(1, 3, "ENGINE_STALLED")), ("a", Delta(" world", [4, 5]))]
+    assert not call.wake.is_set()
+    call.emit("a", Delta("!", [6]))          # after a take, a new delta is a new message's
+    assert call.take() == [("a", Delta("!", [6]))]
 
 
 # ---------------------------------------------------------------------------------- typed client
