@@ -509,6 +509,17 @@ def k8s_problems(docs: list[Mapping[str, Any]], secrets: list[Mapping[str, Any]]
                 problems.append(f"{where}: prometheus.io annotations do not name its --metrics-port {metrics}")
             if not any(p["containerPort"] == metrics and p.get("name") == "metrics" for p in c.get("ports", [])):
                 problems.append(f"{where}: no containerPort named metrics for --metrics-port {metrics}")
+            if (frames := int_flag(args, "--frame-port")) and frames > 0:
+                # The routers dial it at the pod's address: declared on the container, and admitted by
+                # every NetworkPolicy that admits the engine's gRPC port.
+                if not any(p["containerPort"] == frames for p in c.get("ports", [])):
+                    problems.append(f"{where}: no containerPort for --frame-port {frames}")
+                for policy in by_kind.get("NetworkPolicy", {}).values():
+                    for rule in policy["spec"].get("ingress", []):
+                        ports = {p.get("port") for p in rule.get("ports", [])}
+                        if port in ports and frames not in ports:
+                            problems.append(f"{where}: NetworkPolicy {policy['metadata']['name']} admits its "
+                                            f"--port {port} but not its --frame-port {frames}")
             if labels.get("app.kubernetes.io/component") != COMPONENT[module]:
                 problems.append(f"{where}: label app.kubernetes.io/component must be {COMPONENT[module]} "
                                 "(kubernetes-scrape.yml names the job after it)")

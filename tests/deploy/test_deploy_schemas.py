@@ -103,6 +103,20 @@ def test_kubernetes_checks_fail_on_a_broken_router(k8s, secrets, breakage, expec
     assert any(expected in p for p in problems), problems
 
 
+@pytest.mark.parametrize("breakage, expected", [
+    (lambda docs: [p for p in _container(docs, "tokenrelay-engine")["ports"] if p["name"] == "frames"][0].__setitem__(
+        "containerPort", 50099), "no containerPort for --frame-port 50054"),
+    (lambda docs: [d for d in docs if d["kind"] == "NetworkPolicy"][0]["spec"]["ingress"][0]["ports"].pop(),
+     "but not its --frame-port 50054"),
+], ids=["undeclared", "not-admitted"])
+def test_kubernetes_checks_fail_on_an_engine_frame_port_the_routers_cannot_reach(k8s, secrets, breakage,
+                                                                                 expected) -> None:
+    bad = kit.broken(k8s)
+    breakage(bad)
+    problems = kit.k8s_problems(bad, secrets)
+    assert any(expected in p for p in problems), problems
+
+
 def test_kubernetes_checks_fail_without_hpa_pdb_or_headless_service(k8s, secrets) -> None:
     bad = [d for d in kit.broken(k8s) if not (d["kind"] in ("HorizontalPodAutoscaler", "PodDisruptionBudget")
                                                and d["metadata"]["name"] == "tokenrelay-tokenizer")]
