@@ -10,6 +10,7 @@
 #         Stream API (S: --mesh-calls stream), interleaved, RROUNDS pairs
 #   one   one token per client message (docs/relay/2026-12-06i's onetoken: 10 ms steps, engine wake-up delay 0,
 #         the bare grpc.aio server on the router's core in the same run), OROUNDS runs
+#   oneab the same, the engine's stream over its frame port (F) against gRPC (G), interleaved, OROUNDS pairs
 #   g4    four simulated H200s, 8 routers (docs/relay/2026-12-06i's g4), G4ROUNDS runs; G4X: more bench_relay options
 #   over  3x overload through 4 routers (docs/relay/2026-12-06i's over), VROUNDS runs
 # Outputs: $OUT/all.tgz.   e.g. SECTIONS="st rel" SROUNDS=2 RROUNDS=1 DUR=30 bash docs/relay/2026-12-07d/device-run-1.sh
@@ -40,11 +41,19 @@ on rel && for r in $(seq ${RROUNDS:-1}); do for v in C S; do
     --mesh-calls $(calls $v) --json-out $W/rel_$v$r.json > $W/rel_$v$r.txt 2>&1
   el "rel $v$r"; row $W/rel_$v$r.txt
 done; done
+# (oneab: the same, the engine's stream over its frame port (F) and over gRPC (G, as in the sixth and ninth sessions),
+#  interleaved, OROUNDS pairs)
 on one && for r in $(seq ${OROUNDS:-1}); do
   timeout 80 python3 bench/bench_relay.py --streams 256 --step-ms 10 --duration 6 --warmup 2 --targets mesh bare \
     --router-arg=--engine-wake-delay=0 $LOCAL $PIN --json-out $W/one_$r.json > $W/one_$r.txt 2>&1
   el "one $r"; row $W/one_$r.txt
 done
+on oneab && for r in $(seq ${OROUNDS:-1}); do for v in F G; do
+  L=$LOCAL; [ $v = G ] && L=${LOCAL% --engine-arg=--frame-port=0}
+  timeout 80 python3 bench/bench_relay.py --streams 256 --step-ms 10 --duration 6 --warmup 2 --targets mesh bare \
+    --router-arg=--engine-wake-delay=0 $L $PIN --json-out $W/one_$v$r.json > $W/one_$v$r.txt 2>&1
+  el "one $v$r"; row $W/one_$v$r.txt
+done; done
 G4="--calibrated --engines 4 --streams 1024 4096 --duration 8 --warmup 2 --routers 8 --router-cpus 0-7 --redis-cpus 8 \
  --tokenizer-cpus 8 --engine-cpus 9-12 --clients 3 --client-cpus 13-15"
 on g4 && for r in $(seq ${G4ROUNDS:-1}); do
