@@ -104,9 +104,9 @@ def test_kubernetes_checks_fail_on_a_broken_router(k8s, secrets, breakage, expec
 
 
 @pytest.mark.parametrize("breakage, expected", [
-    (lambda docs: [p for p in _container(docs, "tokenrelay-engine")["ports"] if p["name"] == "frames"][0].__setitem__(
+    (lambda docs: next(p for p in _container(docs, "tokenrelay-engine")["ports"] if p["name"] == "frames").__setitem__(
         "containerPort", 50099), "no containerPort for --frame-port 50054"),
-    (lambda docs: [d for d in docs if d["kind"] == "NetworkPolicy"][0]["spec"]["ingress"][0]["ports"].pop(),
+    (lambda docs: next(d for d in docs if d["kind"] == "NetworkPolicy")["spec"]["ingress"][0]["ports"].pop(),
      "but not its --frame-port 50054"),
 ], ids=["undeclared", "not-admitted"])
 def test_kubernetes_checks_fail_on_an_engine_frame_port_the_routers_cannot_reach(k8s, secrets, breakage,
