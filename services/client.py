@@ -38,6 +38,7 @@ from services.errors import (  # re-exported: callers catch these
     error_for,
     from_rpc_error,
 )
+from services.mux import MuxClient, StreamBroken
 from services.proto.tokenrelay.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.security import PLAINTEXT, SecuritySettings
 from services.wire import FINISH_NAMES
@@ -314,62 +315,60 @@ class ChatSession:
 
 
 
-_CLOSED = object()
+class _TypedCall:
+    """The Stream call as `MuxClient` reads it, with its end typed as a client sees it: the router's
+    status (`from_rpc_error`), or STREAM_CLOSED when the router ended the call."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def cancel(self) -> bool:
+        return bool(self._call.cancel())
+
+    def __aiter__(self) -> AsyncIterator[inference_pb2.StreamResponse]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[inference_pb2.StreamResponse]:
+        try:
+            async for response in self._call:
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        raise Reason.STREAM_CLOSED.error("the Stream call ended")
+
+
+def _stream_request(pending: dict[str, list[Any]]) -> inference_pb2.StreamRequest:
+    return inference_pb2.StreamRequest(submit=pending.get("submit", []), cancel=pending.get("cancel", []))
+
+
+def _stream_events(response: inference_pb2.StreamResponse) -> list[tuple[str, Any]]:
+    return [(event.request_id, event) for event in response.events]
 
 
 class RequestStream:
-    """Requests multiplexed on one `Stream` call. `stream()` / `generate()` may run from many tasks
-    at once; breaking out of `stream()` cancels that request; leaving the `async with` ends the call
-    (what is still in flight is cancelled). A request's failure raises its typed error there; a
-    call that ends (the router gone, a deadline) raises in every request still waiting."""
+    """Requests multiplexed on one `Stream` call (`services.mux.MuxClient`: what is posted while a
+    write is out goes in the next message; events fan out by request id). `stream()` / `generate()`
+    may run from many tasks at once; breaking out of `stream()` cancels that request; leaving the
+    `async with` ends the call (what is still in flight is cancelled). A request's failure raises its
+    typed error there; a call that ends (the router gone, a deadline) raises in every request still
+    waiting, and in every request sent after it."""
 
     def __init__(self, stub: inference_pb2_grpc.InferenceStub, metadata: Any, timeout: float | None) -> None:
-        self._stub, self._metadata, self._timeout = stub, metadata, timeout
-        self._outbox: asyncio.Queue[inference_pb2.StreamRequest | None] = asyncio.Queue()
-        self._waiting: dict[str, asyncio.Queue[Any]] = {}
-        self._call: Any = None
-        self._reader: asyncio.Task[None] | None = None
         self._failure: TokenrelayError | None = None
+        self._live: set[str] = set()
+        self._mux: MuxClient[inference_pb2.StreamEvent] = MuxClient(
+            "Stream", lambda requests: _TypedCall(stub.Stream(requests, metadata=metadata, timeout=timeout)),
+            _stream_request, _stream_events, on_broken=self._broken)
 
-    async def _requests(self) -> AsyncIterator[inference_pb2.StreamRequest]:
-        while (item := await self._outbox.get()) is not None:
-            while not self._outbox.empty():   # everything queued meanwhile goes in one message
-                more = self._outbox.get_nowait()
-                if more is None:
-                    yield item
-                    return
-                item.submit.extend(more.submit)
-                item.cancel.extend(more.cancel)
-            yield item
-
-    async def _read(self) -> None:
-        try:
-            async for response in self._call:
-                for event in response.events:
-                    waiting = self._waiting.get(event.request_id)
-                    if waiting is not None:
-                        waiting.put_nowait(event)
-            self._failure = Reason.STREAM_CLOSED.error("the Stream call ended")
-        except grpc.aio.AioRpcError as exc:
-            self._failure = from_rpc_error(exc)
-        except asyncio.CancelledError:
-            self._failure = Reason.STREAM_CLOSED.error("the Stream call was closed")
-            raise
-        finally:
-            for waiting in self._waiting.values():
-                waiting.put_nowait(_CLOSED)
+    def _broken(self, error: TokenrelayError) -> None:
+        self._failure = self._failure or error
 
     async def __aenter__(self) -> RequestStream:
-        self._call = self._stub.Stream(self._requests(), metadata=self._metadata, timeout=self._timeout)
-        self._reader = asyncio.create_task(self._read())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._outbox.put_nowait(None)
-        if self._call is not None:
-            self._call.cancel()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
+        self._failure = self._failure or Reason.STREAM_CLOSED.error("the Stream call was closed")
+        await self._mux.close()
 
     async def stream(self, prompt: str | None = None, *, messages: Any = None,
                      token_ids: Sequence[int] | None = None, priority: str = "", session_id: str = "",
@@ -380,33 +379,33 @@ class RequestStream:
         if self._failure is not None:
             raise self._failure
         rid = request_id or uuid.uuid4().hex
-        if rid in self._waiting:
+        if rid in self._live:
             raise Reason.DUPLICATE_REQUEST_ID.error("request_id already in flight on this Stream call")
         req = _request(prompt, messages, token_ids, Sampling(**sampling), priority, session_id, rid,
                        return_token_ids, min_delta_tokens, min_delta_interval_ms)
-        waiting: asyncio.Queue[Any] = asyncio.Queue()
-        self._waiting[rid] = waiting
-        self._outbox.put_nowait(inference_pb2.StreamRequest(submit=[inference_pb2.StreamSubmit(
-            request=req, timeout_ms=max(1, round(timeout * 1000)) if timeout else 0)]))
+        inbox = self._mux.open(rid)
+        self._live.add(rid)
+        self._mux.post("submit", inference_pb2.StreamSubmit(
+            request=req, timeout_ms=max(1, round(timeout * 1000)) if timeout else 0))
         finished = False
         try:
             while True:
-                msg = await waiting.get()
-                if msg is _CLOSED:
-                    raise self._failure or Reason.STREAM_CLOSED.error("the Stream call ended")
-                if msg.WhichOneof("event") == "error":
-                    finished = True
-                    _raise_error(msg.error)
-                event = _event(msg)
-                if event is not None:
-                    yield event
-                if isinstance(event, Finished):
-                    finished = True
-                    return
+                for msg in await inbox.get_ready():
+                    if isinstance(msg, StreamBroken):
+                        raise self._failure or msg.error
+                    if msg.WhichOneof("event") == "error":
+                        finished = True
+                        _raise_error(msg.error)
+                    event = _event(msg)
+                    if event is not None:
+                        yield event
+                    if isinstance(event, Finished):
+                        finished = True
+                        return
         finally:
-            del self._waiting[rid]
-            if not finished and self._failure is None:
-                self._outbox.put_nowait(inference_pb2.StreamRequest(cancel=[rid]))
+            self._live.discard(rid)
+            if self._mux.release(rid) and not finished and self._failure is None:
+                self._mux.post("cancel", rid)
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return await collect(self.stream(prompt, **kwargs))
