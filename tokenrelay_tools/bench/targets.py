@@ -102,7 +102,7 @@ class MeshTarget(Target):
         if calls not in self.CALLS:
             raise ValueError(f"calls must be one of {self.CALLS}")
         self.calls = calls
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[Client, RequestStream] = {}
         self.address = address
         self._keys = dict(keys)
         self._default_key = default_key
@@ -138,10 +138,9 @@ class MeshTarget(Target):
         client = self.client(tenant)
         if self.calls == "call":
             return client
-        key = self._keys.get(tenant, self._default_key)
-        if key not in self._streams:
-            self._streams[key] = await client.open_stream().__aenter__()
-        return self._streams[key]
+        if client not in self._streams:      # one call per client, as one client per API key
+            self._streams[client] = await client.open_stream().__aenter__()
+        return self._streams[client]
 
     async def close(self) -> None:
         for stream in self._streams.values():
